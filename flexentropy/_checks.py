@@ -1,0 +1,38 @@
+"""Validation of tensors at the public boundary: clear `ValueError`/`TypeError` instead of kernel crashes."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    """Check ``q [B, Hq, N, D]``, ``k``/``v [B, Hkv, N, D]`` agree in shape, dtype and device; Hq % Hkv == 0."""
+    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    for name, t in named[1:]:
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one device")
+        for axis, what in ((0, "batch size"), (2, "sequence length"), (3, "head dim")):
+            if t.shape[axis] != q.shape[axis]:
+                raise ValueError(f"{name} {what} (dim {axis}) is {t.shape[axis]} but q's is {q.shape[axis]}; "
+                                 f"q {tuple(q.shape)}, {name} {tuple(t.shape)}")
+    if v is not None and v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
+
+
+def check_layer_idx(layer_idx: int) -> None:
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+        raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")

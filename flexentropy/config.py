@@ -1,0 +1,150 @@
+"""`EntropyConfig`: every knob of flexentropy's prefill and cache algorithms, validated on construction.
+
+Defaults follow SPEC section 4 (the seed paper's hyper-parameters and its released code where the two disagree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+Q_BLOCK_SIZE = 128
+"""Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
+
+BACKENDS = ("auto", "triton", "flash")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"EntropyConfig.{name} must be > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"EntropyConfig.{name} must be >= 0, got {value!r}")
+
+
+def _int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"EntropyConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"EntropyConfig.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EntropyConfig:
+    """Knobs of entropy-guided sparse prefill (SPEC 1) and latent KV cache eviction (SPEC 2).
+
+    Sizes are in tokens. ``segment_size`` (L_S) groups queries, ``block_size`` (L_B) groups keys; a segment
+    attends to its own tokens causally plus whole selected key blocks before it.
+
+    Prefill (paper sec. 4.2, Alg. 1-3):
+        segment_size: L_S, a multiple of 128 and of ``block_size``.
+        block_size: L_B, 64 or 128 (the kernel's KV tile; the FLASH backend needs 128).
+        base_budget: B_0, key tokens per segment for rigid heads and the floor for dynamic heads.
+        entropy_threshold: e_t; a head whose largest segment entropy is below it is rigid.
+        budget_alpha: alpha, how strongly a dynamic head's budget follows entropy fluctuation.
+        fluctuation_threshold: delta_t, the fluctuation rate at which the budget stays unchanged.
+        max_budget_factor: budgets are clamped to ``[B_0, max_budget_factor * B_0]``.
+        fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
+        observation: ``"paper"`` (Alg. 2: max of two averaged softmaxes) or ``"critiprefill"`` (one softmax).
+        observation_scale: factor on representative logits (paper: 1.0, no 1/sqrt(D)).
+        sink_blocks: leading key blocks every segment attends to.
+        local_blocks: key blocks just before each segment that it always attends to.
+        dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.
+        dense_last_segment: the last segment (where the question usually sits) attends densely.
+        dense_layers: layer indices that always run dense attention.
+        backend: sparse kernel backend: ``"auto"`` (FLASH when flash-attn-4 is importable on CUDA and
+            ``block_size == 128``, else Triton/CPU), ``"triton"`` or ``"flash"``.
+
+    Decode (paper sec. 4.3, Alg. 4):
+        decode_budget: B_d, cache entries kept per KV head after eviction (window included).
+        decode_window: N_W, most recent post-RoPE queries kept for scoring.
+        decode_delay: N_D, generated tokens before the first eviction.
+        decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
+        decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
+        recompress_every: evict again after this many appended tokens (None: once, as in the paper).
+    """
+
+    segment_size: int = 512
+    block_size: int = 128
+    base_budget: float = 2048
+    entropy_threshold: float = 1e-5
+    budget_alpha: float = 0.5
+    fluctuation_threshold: float = 0.4
+    max_budget_factor: float = 3.0
+    fluctuation: Literal["abs", "signed"] = "abs"
+    observation: Literal["paper", "critiprefill"] = "paper"
+    observation_scale: float = 1.0
+    sink_blocks: int = 1
+    local_blocks: int = 0
+    dense_prefix: int = 4096
+    dense_last_segment: bool = True
+    dense_layers: tuple[int, ...] = (0,)
+    backend: Literal["auto", "triton", "flash"] = "auto"
+    decode_budget: int = 1024
+    decode_window: int = 32
+    decode_delay: int = 16
+    decode_pool: int = 5
+    decode_score: Literal["softmax", "raw"] = "softmax"
+    recompress_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("segment_size", "block_size", "sink_blocks", "local_blocks", "dense_prefix",
+                     "decode_budget", "decode_window", "decode_delay", "decode_pool"):
+            _int(name, getattr(self, name))
+        if self.block_size not in (64, 128):
+            raise ValueError(f"EntropyConfig.block_size must be 64 or 128, got {self.block_size}")
+        if self.segment_size <= 0 or self.segment_size % Q_BLOCK_SIZE or self.segment_size % self.block_size:
+            raise ValueError(
+                f"EntropyConfig.segment_size must be a positive multiple of {Q_BLOCK_SIZE} and of "
+                f"block_size={self.block_size}, got {self.segment_size}"
+            )
+        for name in ("base_budget", "entropy_threshold", "observation_scale"):
+            _positive(name, getattr(self, name))
+        for name in ("budget_alpha", "fluctuation_threshold", "sink_blocks", "local_blocks", "dense_prefix"):
+            _non_negative(name, getattr(self, name))
+        if not self.max_budget_factor >= 1:
+            raise ValueError(f"EntropyConfig.max_budget_factor must be >= 1, got {self.max_budget_factor!r}")
+        _choice("fluctuation", self.fluctuation, ("abs", "signed"))
+        _choice("observation", self.observation, ("paper", "critiprefill"))
+        _choice("decode_score", self.decode_score, ("softmax", "raw"))
+        _choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.dense_layers, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers
+        ):
+            raise ValueError(f"EntropyConfig.dense_layers must be a tuple of layer indices >= 0, "
+                             f"got {self.dense_layers!r}")
+        if not isinstance(self.dense_last_segment, bool):
+            raise TypeError(f"EntropyConfig.dense_last_segment must be a bool, got {self.dense_last_segment!r}")
+        if self.decode_window < 1:
+            raise ValueError(f"EntropyConfig.decode_window must be >= 1, got {self.decode_window}")
+        if self.decode_delay < 1:
+            raise ValueError(f"EntropyConfig.decode_delay must be >= 1, got {self.decode_delay}")
+        if self.decode_budget < self.decode_window:
+            raise ValueError(
+                f"EntropyConfig.decode_budget ({self.decode_budget}) must be >= decode_window "
+                f"({self.decode_window}): the window's own entries are always kept"
+            )
+        if self.decode_pool < 1 or self.decode_pool % 2 == 0:
+            raise ValueError(f"EntropyConfig.decode_pool must be an odd int >= 1 (1 = no pooling), "
+                             f"got {self.decode_pool}")
+        if self.recompress_every is not None:
+            _int("recompress_every", self.recompress_every)
+            if self.recompress_every < 1:
+                raise ValueError(f"EntropyConfig.recompress_every must be None or >= 1, "
+                                 f"got {self.recompress_every}")
+
+    def replace(self, **changes: object) -> EntropyConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"EntropyConfig has no field(s) {sorted(unknown)}")
+        return replace(self, **changes)
+
+    def is_dense_layer(self, layer_idx: int, seq_len: int) -> bool:
+        """Whether layer ``layer_idx`` runs plain causal attention for a prompt of ``seq_len`` tokens."""
+        return layer_idx in self.dense_layers or seq_len <= self.dense_prefix

@@ -1,0 +1,36 @@
+"""Segment attention entropy and the rigid/dynamic head split (paper sec. 4.2, SPEC 1.3)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_entropy(a_obs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each segment's observation-attention row, ``0 * ln 0 = 0``.
+
+    Args:
+        a_obs: ``[B, Hq, C_S, C_B]`` from `observation_attention`.
+
+    Returns:
+        float32 ``[B, Hq, C_S]``: ``e[h, s] = -sum_j a[h, s, j] ln a[h, s, j]``.
+    """
+    if not isinstance(a_obs, torch.Tensor) or a_obs.dim() != 4:
+        raise ValueError(f"a_obs must be a 4-D tensor [B, Hq, C_S, C_B], got "
+                         f"{tuple(a_obs.shape) if isinstance(a_obs, torch.Tensor) else type(a_obs).__name__}")
+    a = a_obs.float()
+    return -torch.special.xlogy(a, a).sum(dim=-1)
+
+
+def rigid_heads(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Heads whose largest segment entropy (segments 1.., segment 0 has no candidates) is below ``threshold``.
+
+    Args:
+        entropy: ``[B, Hq, C_S]``.
+
+    Returns:
+        bool ``[B, Hq]``; a head with a single segment is rigid.
+    """
+    later = entropy[..., 1:]
+    if later.shape[-1] == 0:
+        return torch.ones(entropy.shape[:-1], dtype=torch.bool, device=entropy.device)
+    return later.amax(dim=-1) < threshold

@@ -1,0 +1,83 @@
+"""Observation attention between segment and block representatives (paper Alg. 2, SPEC 1.2)."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from flexentropy._checks import check_qk
+from flexentropy.config import Q_BLOCK_SIZE
+from flexentropy.prefill.representatives import chunk_extrema
+
+OBSERVATIONS = ("paper", "critiprefill")
+
+
+def candidate_blocks(num_segments: int, num_blocks: int, segment_size: int, block_size: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Key blocks each segment may select: those ending at or before the segment's first token.
+
+    Returns:
+        bool ``[C_S, C_B]``, True where ``(j + 1) * block_size <= s * segment_size``. Row 0 is all False.
+    """
+    s = torch.arange(num_segments, device=device)
+    j = torch.arange(num_blocks, device=device)
+    return (j[None, :] + 1) * block_size <= s[:, None] * segment_size
+
+
+def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``allowed``; rows with nothing allowed are all 0."""
+    p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return p.masked_fill(~allowed, 0.0)
+
+
+def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, *,
+                          observation: str = "paper", scale: float = 1.0) -> torch.Tensor:
+    """Block-level attention of each segment over the key blocks before it.
+
+    Representatives (Alg. 1): ``Qmax/Qmin`` per segment and query head, ``Kmax/Kmin`` per key block and KV
+    head; logits ``S1 = Qmax.Kmax, S2 = Qmax.Kmin, S3 = Qmin.Kmax, S4 = Qmin.Kmin`` times ``scale``.
+
+    * ``"paper"`` (Alg. 2): ``max((softmax(S1) + softmax(S2)) / 2, (softmax(S3) + softmax(S4)) / 2)``.
+    * ``"critiprefill"`` (released code): ``softmax(max(mean(S1, S3), mean(S2, S4)))``.
+
+    Every softmax runs over the candidate blocks of the segment (`candidate_blocks`), in float32.
+
+    Args:
+        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0``.
+        segment_size: L_S, tokens per query segment. block_size: L_B, tokens per key block.
+
+    Returns:
+        float32 ``[B, Hq, C_S, C_B]``; non-candidates (and all of segment 0) exactly 0.
+    """
+    check_qk(q, k)
+    if observation not in OBSERVATIONS:
+        raise ValueError(f"observation must be one of {OBSERVATIONS}, got {observation!r}")
+    for name, value in (("segment_size", segment_size), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if segment_size % block_size or segment_size % Q_BLOCK_SIZE:
+        raise ValueError(f"segment_size ({segment_size}) must be a multiple of block_size ({block_size}) "
+                         f"and of {Q_BLOCK_SIZE}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    return _observation(q, k, segment_size, block_size, observation, scale)
+
+
+def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,
+                 scale: float) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    qmax, qmin = chunk_extrema(q, segment_size)                     # [B, Hq, C_S, D]
+    kmax, kmin = chunk_extrema(k, block_size)                       # [B, Hkv, C_B, D]
+    qmax, qmin = (rearrange(t, "b (g r) s d -> b g r s d", r=group) for t in (qmax, qmin))
+
+    def logits(qr: torch.Tensor, kr: torch.Tensor) -> torch.Tensor:
+        s = torch.einsum("bgrsd,bgjd->bgrsj", qr, kr) * scale
+        return rearrange(s, "b g r s j -> b (g r) s j")
+
+    s1, s2, s3, s4 = logits(qmax, kmax), logits(qmax, kmin), logits(qmin, kmax), logits(qmin, kmin)
+    allowed = candidate_blocks(s1.shape[-2], s1.shape[-1], segment_size, block_size, q.device)
+    if observation == "paper":
+        upper = (_masked_softmax(s1, allowed) + _masked_softmax(s2, allowed)) / 2
+        lower = (_masked_softmax(s3, allowed) + _masked_softmax(s4, allowed)) / 2
+        return torch.maximum(upper, lower)
+    return _masked_softmax(torch.maximum((s1 + s3) / 2, (s2 + s4) / 2), allowed)

@@ -1,0 +1,112 @@
+"""Per-head top-k block selection into a `SparsePlan` (paper sec. 4.2, SPEC 1.5).
+
+Pipeline: `observation_attention` -> `segment_entropy` -> `allocate_budgets` -> `block_table` -> `SparsePlan`.
+All of it is tensor code: no loop over heads or segments, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
+from flexentropy.prefill.budgets import allocate_budgets
+from flexentropy.prefill.entropy import rigid_heads, segment_entropy
+from flexentropy.prefill.observation import _observation, candidate_blocks
+from flexentropy.prefill.plan import SparsePlan, causal_blocks
+
+
+def forced_blocks(candidates: torch.Tensor, sink_blocks: int, local_blocks: int,
+                  blocks_per_segment: int) -> torch.Tensor:
+    """Candidates every segment keeps regardless of score: the first ``sink_blocks`` and the ``local_blocks``
+    just before the segment. bool ``[C_S, C_B]``."""
+    num_segments, num_blocks = candidates.shape
+    s = torch.arange(num_segments, device=candidates.device)
+    j = torch.arange(num_blocks, device=candidates.device)
+    local = j[None, :] >= (s * blocks_per_segment - local_blocks)[:, None]
+    return candidates & ((j < sink_blocks)[None, :] | local)
+
+
+def dense_segments(num_segments: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Segments that attend to every earlier key: those starting before ``dense_prefix`` and, when
+    ``dense_last_segment``, the last one. bool ``[C_S]``."""
+    s = torch.arange(num_segments, device=device)
+    dense = s * config.segment_size < config.dense_prefix
+    if config.dense_last_segment:
+        dense = dense | (s == num_segments - 1)
+    return dense
+
+
+def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The ``k[...]`` highest ``scores`` among ``eligible`` entries of each row, ties to the lower index.
+
+    Args:
+        scores: ``[..., C]`` non-negative. eligible: bool broadcastable to ``scores``.
+        k: int ``[...]``, at most the number of eligible entries per row (rows may differ).
+
+    Returns:
+        bool ``[..., C]``.
+    """
+    ranked = scores.masked_fill(~eligible, -1.0)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return rank < k[..., None]
+
+
+def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
+    """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (SPEC 1.5).
+
+    Segment s attends its own blocks causally, its forced blocks (`forced_blocks`), every candidate when it is a
+    dense segment (`dense_segments`), and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates.
+    """
+    num_segments, num_blocks = a_obs.shape[-2:]
+    device = a_obs.device
+    per_segment = config.segment_size // config.block_size
+    candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, device)
+    forced = forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
+    free = candidates & ~forced
+    k = torch.minimum(torch.floor(budgets / config.block_size).long(), free.sum(dim=-1))
+    chosen = top_k_mask(a_obs, free, k)
+    dense = dense_segments(num_segments, config, device)
+    segment_table = chosen | forced | (candidates & dense[:, None])            # [B, Hq, C_S, C_B]
+
+    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
+    segment_of_qb = qb * Q_BLOCK_SIZE // config.segment_size
+    j = torch.arange(num_blocks, device=device)
+    own = (j[None, :] >= (segment_of_qb * per_segment)[:, None]) & causal_blocks(seq_len, config.block_size, device)
+    return segment_table[..., segment_of_qb, :] | own
+
+
+def dense_plan(q: torch.Tensor, config: EntropyConfig) -> SparsePlan:
+    """The plan of plain causal attention (every causal block)."""
+    n = q.shape[-2]
+    causal = causal_blocks(n, config.block_size, q.device)
+    blocks = causal.expand(q.shape[0], q.shape[1], *causal.shape).contiguous()
+    return SparsePlan(blocks, n, config.block_size, dense=True)
+
+
+def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1) -> SparsePlan:
+    """Entropy-guided sparse plan for one layer (paper Alg. 1-3, SPEC 1.1-1.5).
+
+    Args:
+        q: ``[B, Hq, N, D]`` post-RoPE queries. k: ``[B, Hkv, N, D]`` post-RoPE keys.
+        config: knobs (segment/block sizes, budgets, dense fallbacks).
+        layer_idx: layers in ``config.dense_layers`` get a dense plan; so does ``N <= dense_prefix``.
+
+    Returns:
+        `SparsePlan` with the block table, budgets, entropies and rigid-head flags.
+    """
+    check_qk(q, k)
+    check_layer_idx(layer_idx)
+    if not isinstance(config, EntropyConfig):
+        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    n = q.shape[-2]
+    if config.is_dense_layer(layer_idx, n):
+        return dense_plan(q, config)
+    a_obs = _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale)
+    entropy = segment_entropy(a_obs)
+    budgets = allocate_budgets(entropy, config)
+    blocks = block_table(a_obs, budgets, config, n)
+    return SparsePlan(blocks, n, config.block_size, budgets=budgets, entropy=entropy,
+                      rigid=rigid_heads(entropy, config.entropy_threshold))

@@ -1,0 +1,33 @@
+"""Dense reference oracle for flexentropy (SPEC section 4: "every function above has its twin there").
+
+Plain PyTorch, float64 by default, explicit loops and full ``N x N`` masks (small ``N`` only), no FlexAttention.
+Independent of ``flexentropy.prefill``: use it to check the fast implementation, never the other way round.
+"""
+
+from reference.prefill import (
+    ReferencePlan,
+    allocate_budgets,
+    blocks_to_dense_mask,
+    candidate_blocks,
+    masked_attention,
+    observation_attention,
+    rigid_heads,
+    segment_entropy,
+    segment_representatives,
+    select_blocks,
+    sparse_prefill_attention,
+)
+
+__all__ = [
+    "ReferencePlan",
+    "allocate_budgets",
+    "blocks_to_dense_mask",
+    "candidate_blocks",
+    "masked_attention",
+    "observation_attention",
+    "rigid_heads",
+    "segment_entropy",
+    "segment_representatives",
+    "select_blocks",
+    "sparse_prefill_attention",
+]

@@ -1,0 +1,160 @@
+"""Public-boundary behaviour of the prefill path: validation, edge lengths, memory and recompiles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flexentropy as fe
+from flexentropy import EntropyConfig, sparse_prefill_attention
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"segment_size": 192}, "segment_size"),
+        ({"segment_size": 128, "block_size": 256}, "block_size"),
+        ({"block_size": 32}, "block_size"),
+        ({"base_budget": 0}, "base_budget"),
+        ({"base_budget": -5.0}, "base_budget"),
+        ({"entropy_threshold": 0.0}, "entropy_threshold"),
+        ({"fluctuation_threshold": -0.1}, "fluctuation_threshold"),
+        ({"max_budget_factor": 0.5}, "max_budget_factor"),
+        ({"fluctuation": "relative"}, "fluctuation"),
+        ({"observation": "flash"}, "observation"),
+        ({"observation_scale": 0.0}, "observation_scale"),
+        ({"sink_blocks": -1}, "sink_blocks"),
+        ({"dense_layers": [0]}, "dense_layers"),
+        ({"backend": "cuda"}, "backend"),
+        ({"decode_budget": 16, "decode_window": 32}, "decode_budget"),
+        ({"decode_window": 0}, "decode_window"),
+        ({"decode_delay": 0}, "decode_delay"),
+        ({"decode_pool": 4}, "decode_pool"),
+        ({"recompress_every": 0}, "recompress_every"),
+    ],
+)
+def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EntropyConfig(**changes)
+
+
+def test_config_rejects_wrong_types() -> None:
+    with pytest.raises(TypeError, match="segment_size"):
+        EntropyConfig(segment_size=512.0)
+    with pytest.raises(TypeError, match="no field"):
+        EntropyConfig().replace(segment=3)
+
+
+def test_config_defaults_are_the_spec() -> None:
+    cfg = EntropyConfig()
+    assert (cfg.segment_size, cfg.block_size, cfg.base_budget, cfg.entropy_threshold) == (512, 128, 2048, 1e-5)
+    assert (cfg.budget_alpha, cfg.fluctuation_threshold, cfg.max_budget_factor) == (0.5, 0.4, 3.0)
+    assert (cfg.fluctuation, cfg.observation, cfg.observation_scale) == ("abs", "paper", 1.0)
+    assert (cfg.sink_blocks, cfg.local_blocks, cfg.dense_prefix, cfg.dense_last_segment) == (1, 0, 4096, True)
+    assert cfg.dense_layers == (0,)
+    assert (cfg.decode_budget, cfg.decode_window, cfg.decode_delay, cfg.decode_pool) == (1024, 32, 16, 5)
+    assert (cfg.decode_score, cfg.recompress_every) == ("softmax", None)
+
+
+def _qkv(b: int = 1, hq: int = 4, hkv: int = 2, n: int = 300, d: int = 16, dtype: torch.dtype = torch.float32):
+    return torch.randn(b, hq, n, d, dtype=dtype), torch.randn(b, hkv, n, d, dtype=dtype), \
+        torch.randn(b, hkv, n, d, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda q, k, v: (q, k[:, :, :-1], v), ValueError, "sequence length"),
+        (lambda q, k, v: (q, k, v[..., :-1]), ValueError, "head dim"),
+        (lambda q, k, v: (q[:1].expand(2, -1, -1, -1), k, v), ValueError, "batch size"),
+        (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of key/value heads"),
+        (lambda q, k, v: (q, k.double(), v), TypeError, "dtype"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "floating"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "4-D"),
+        (lambda q, k, v: (q, k, v.to("meta")), ValueError, "device"),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_tensors_raise_clear_errors(mutate, error: type, match: str) -> None:
+    q, k, v = mutate(*_qkv(b=1))
+    cfg = EntropyConfig(segment_size=128, block_size=128, dense_prefix=0)
+    with pytest.raises(error, match=match):
+        sparse_prefill_attention(q, k, v, cfg)
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="EntropyConfig"):
+        sparse_prefill_attention(q, k, v, {"segment_size": 128})
+    with pytest.raises(ValueError, match="layer_idx"):
+        sparse_prefill_attention(q, k, v, EntropyConfig(), layer_idx=-1)
+    with pytest.raises(ValueError, match="segment_size"):
+        fe.observation_attention(q, k, 192, 64)
+    with pytest.raises(ValueError, match="observation"):
+        fe.observation_attention(q, k, 128, 64, observation="nope")
+    with pytest.raises(ValueError, match="a_obs"):
+        fe.segment_entropy(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="plan is for"):
+        plan = fe.select_blocks(q, k, EntropyConfig(segment_size=128, dense_prefix=0))
+        sparse_prefill_attention(q[..., :200, :], k[..., :200, :], v[..., :200, :], EntropyConfig(), plan=plan)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_empty_and_single_token(compiled: bool) -> None:
+    cfg = EntropyConfig(segment_size=128, block_size=128, dense_prefix=0)
+    q, k, v = _qkv(n=0)
+    out = sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+    assert out.shape == (1, 4, 0, 16)
+    q, k, v = _qkv(n=1)
+    out = sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+    torch.testing.assert_close(out, v.repeat_interleave(2, dim=1))   # one key: output is its value
+
+
+def test_plan_for_32k_stays_small_in_memory() -> None:
+    """Plan + BlockMask at N=32768 (B 1, Hq 8, D 64): an N x N float32 mask alone would be 32 GiB."""
+    code = textwrap.dedent("""
+        import json, resource, torch
+        import flexentropy as fe
+        n = 32768
+        q = torch.randn(1, 8, n, 64); k = torch.randn(1, 2, n, 64)
+        cfg = fe.EntropyConfig()
+        fe.select_blocks(q[..., :8192, :], k[..., :8192, :], cfg).to_block_mask()   # warm allocator/imports
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        plan = fe.select_blocks(q, k, cfg)
+        mask = plan.to_block_mask()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({"delta_kib": after - before, "density": plan.density, "shape": list(mask.shape)}))
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["shape"] == [1, 8, 32768, 32768]
+    assert 0 < report["density"] < 0.5
+    assert report["delta_kib"] < 1024 * 1024, f"plan + mask raised peak RSS by {report['delta_kib'] / 1024:.0f} MiB"
+
+
+@pytest.mark.slow
+def test_twelve_lengths_compile_once_and_never_fall_back() -> None:
+    from torch._dynamo.utils import counters
+
+    cfg = EntropyConfig(segment_size=256, block_size=128, base_budget=256, dense_prefix=256)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for n in (300, 513, 640, 777, 900, 1024, 1100, 1300, 1555, 1800, 2049, 2500):
+        q, k, v = _qkv(n=n, d=32)
+        out = sparse_prefill_attention(q, k, v, cfg)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 2, "lengths must not trigger recompiles"
+
+
+@pytest.mark.slow
+def test_hitting_the_recompile_limit_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = EntropyConfig(segment_size=256, block_size=128, base_budget=256, dense_prefix=256)
+    q, k, v = _qkv(n=600, d=32)
+    sparse_prefill_attention(q, k, v, cfg)                        # the cached float32 graph
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.raises(fe.RecompileLimitError, match="recompile_limit"):
+        sparse_prefill_attention(q.double(), k.double(), v.double(), cfg)   # dtype change forces a recompile

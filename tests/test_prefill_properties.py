@@ -1,0 +1,255 @@
+"""Property tests: the fast prefill path (flexentropy.prefill) against the dense oracle (reference.prefill)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_qkv, prefill_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference
+from flexentropy import (
+    EntropyConfig,
+    allocate_budgets,
+    observation_attention,
+    segment_entropy,
+    select_blocks,
+    sparse_prefill_attention,
+)
+from flexentropy.prefill.kernel import run_plan
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@settings(max_examples=40)
+@given(prefill_case())
+def test_observation_entropy_budgets_match_reference(case: dict) -> None:
+    q, k, _ = make_qkv(case)
+    cfg = case["config"]
+    a_obs = observation_attention(q, k, cfg.segment_size, cfg.block_size, observation=cfg.observation,
+                                  scale=cfg.observation_scale)
+    a_ref = reference.observation_attention(q, k, cfg.segment_size, cfg.block_size, observation=cfg.observation,
+                                            scale=cfg.observation_scale)
+    assert a_obs.dtype == torch.float32
+    assert a_obs.shape == a_ref.shape
+    # float32 rounds a logit of size L by ~L * 2**-24; a probability moves by about that much. Logits of O(10)
+    # keep the SPEC bound of 1e-5; unscaled D=128 logits reach ~10^3 and get the conditioning-aware bound.
+    tol = 1e-5 + 2.0**-22 * _max_abs_logit(q, k, cfg)
+    torch.testing.assert_close(a_obs.double(), a_ref, atol=tol, rtol=1e-5)
+    candidates = a_ref.new_zeros(a_ref.shape[-2:], dtype=torch.bool)
+    for s in range(candidates.shape[0]):
+        candidates[s, reference.candidate_blocks(s, cfg.segment_size, cfg.block_size, candidates.shape[1])] = True
+    assert (a_obs[..., ~candidates] == 0).all(), "non-candidates must be exactly 0"
+
+    e = segment_entropy(a_obs)
+    assert e.dtype == torch.float32
+    torch.testing.assert_close(e.double(), reference.segment_entropy(a_ref), atol=1e-5, rtol=1e-5)
+
+    budgets = allocate_budgets(e, cfg)
+    assert budgets.dtype == torch.float32
+    torch.testing.assert_close(budgets.double(), reference.allocate_budgets(e.double(), cfg), atol=1e-5, rtol=1e-5)
+    assert (budgets >= cfg.base_budget).all() and (budgets <= cfg.max_budget_factor * cfg.base_budget + 1e-3).all()
+
+
+def _max_abs_logit(q: torch.Tensor, k: torch.Tensor, cfg: EntropyConfig) -> float:
+    qmax, qmin = reference.segment_representatives(q.double(), cfg.segment_size)
+    kmax, kmin = reference.segment_representatives(k.double(), cfg.block_size)
+    qr, kr = torch.cat([qmax, qmin], dim=-2).abs(), torch.cat([kmax, kmin], dim=-2).abs()
+    return float((qr.amax(dim=(1, 2)) * kr.amax(dim=(1, 2))).sum(-1).max()) * cfg.observation_scale
+
+
+def test_observation_float32_bound_on_moderate_logits() -> None:
+    """With logits of O(10) the fast float32 observation is within 1e-5 of the float64 oracle."""
+    gen = torch.Generator().manual_seed(3)
+    for hq, hkv in ((1, 1), (4, 2), (8, 2), (6, 3)):
+        q, k = torch.randn(2, hq, 2900, 64, generator=gen), torch.randn(2, hkv, 2900, 64, generator=gen)
+        for observation in ("paper", "critiprefill"):
+            a = observation_attention(q, k, 256, 64, observation=observation, scale=0.02)
+            ref = reference.observation_attention(q, k, 256, 64, observation=observation, scale=0.02)
+            assert _max_abs_logit(q, k, EntropyConfig(observation_scale=0.02)) < 40
+            torch.testing.assert_close(a.double(), ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(segment_entropy(a).double(), reference.segment_entropy(ref),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig) -> torch.Tensor:
+    """(b, h, s) rows whose top-k decision has a margin well above float32 noise: the k-th and (k+1)-th free
+    scores differ by > 1e-5 and the budget is not within 1e-2 tokens of a block boundary."""
+    a, budgets = ref.a_obs, ref.budgets
+    num_segments, num_blocks = a.shape[-2:]
+    clear = torch.ones(a.shape[:-1], dtype=torch.bool)
+    per_segment = cfg.segment_size // cfg.block_size
+    for s in range(num_segments):
+        cand = reference.candidate_blocks(s, cfg.segment_size, cfg.block_size, num_blocks)
+        free = [j for j in cand if not (j < cfg.sink_blocks or s * per_segment - cfg.local_blocks <= j)]
+        if not free:
+            continue
+        scores = a[..., s, free].sort(dim=-1, descending=True).values
+        k = torch.clamp(torch.floor(budgets[..., s] / cfg.block_size).long(), max=len(free))
+        padded = torch.cat([scores, scores.new_full(scores.shape[:-1] + (1,), -1.0)], dim=-1)
+        kth = padded.gather(-1, (k - 1).clamp_min(0)[..., None])[..., 0]
+        nxt = padded.gather(-1, k[..., None])[..., 0]
+        gap_ok = (k == 0) | (k == len(free)) | (kth - nxt > 1e-5)
+        frac = budgets[..., s] / cfg.block_size
+        boundary_ok = (frac - frac.round()).abs() * cfg.block_size > 1e-2
+        clear[..., s] = gap_ok & (boundary_ok | (budgets[..., s] == cfg.base_budget))
+    return clear
+
+
+@settings(max_examples=40)
+@given(prefill_case())
+def test_selected_blocks_match_reference(case: dict) -> None:
+    q, k, _ = make_qkv(case)
+    cfg = case["config"]
+    plan = select_blocks(q, k, cfg, layer_idx=1)
+    ref = reference.select_blocks(q, k, cfg, layer_idx=1)
+    assert plan.blocks.shape == ref.blocks.shape
+    assert plan.density == pytest.approx(ref.density, abs=0.05) or ref.a_obs is not None
+    if ref.a_obs is None:
+        assert plan.dense and torch.equal(plan.blocks, ref.blocks)
+        return
+    clear = _clear_rows(ref, cfg)                                   # [B, Hq, C_S]
+    segment_of_qb = torch.arange(plan.blocks.shape[2]) * 128 // cfg.segment_size
+    rows = clear[..., segment_of_qb]                                # [B, Hq, C_Q]
+    assert rows.float().mean() > 0.5, "too few clear rows for the comparison to mean anything"
+    assert torch.equal(plan.blocks[rows], ref.blocks[rows])
+    torch.testing.assert_close(plan.budgets.double(), ref.budgets, atol=1.0, rtol=1e-3)
+
+
+@settings(max_examples=25)
+@given(prefill_case(max_n=1600))
+def test_eager_sparse_attention_matches_masked_dense(case: dict) -> None:
+    q, k, v = make_qkv(case)
+    cfg = case["config"]
+    plan = select_blocks(q, k, cfg, layer_idx=1)
+    out = sparse_prefill_attention(q, k, v, cfg, layer_idx=1, compiled=False, plan=plan)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = reference.masked_attention(q, k, v, plan.to_dense_mask())
+    assert rel_err(out, ref) < (1e-5 if q.dtype == torch.float32 else 2e-2)
+
+
+@settings(max_examples=10)
+@given(prefill_case(max_n=1200, dims=(16, 64)))
+def test_dense_mask_matches_reference_expansion(case: dict) -> None:
+    q, k, _ = make_qkv(case)
+    plan = select_blocks(q, k, case["config"])
+    assert torch.equal(plan.to_dense_mask(), reference.blocks_to_dense_mask(plan.blocks, plan.seq_len,
+                                                                             plan.block_size))
+
+
+@settings(max_examples=15)
+@given(prefill_case(max_n=1500), st.booleans())
+def test_full_budget_or_short_prompt_equals_causal_sdpa(case: dict, short: bool) -> None:
+    q, k, v = make_qkv(case)
+    n = case["n"]
+    if short:
+        cfg = case["config"].replace(dense_prefix=n)
+    else:
+        cfg = case["config"].replace(base_budget=float(max(n, 1)), max_budget_factor=1.0)
+    plan = select_blocks(q, k, cfg)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(plan.to_dense_mask(), causal.expand_as(plan.to_dense_mask()))
+    out = sparse_prefill_attention(q, k, v, cfg, compiled=False)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                         enable_gqa=case["hq"] != case["hkv"])
+    assert rel_err(out, ref) < (1e-5 if q.dtype == torch.float32 else 2e-2)
+
+
+@settings(max_examples=15)
+@given(prefill_case(max_n=1500), st.floats(0.05, 0.95))
+def test_causality_later_keys_values_do_not_change_earlier_outputs(case: dict, where: float) -> None:
+    q, k, v = make_qkv(case)
+    cfg = case["config"]
+    i = int(where * (case["n"] - 1))
+    k2, v2 = k.clone(), v.clone()
+    k2[..., i + 1:, :] = torch.randn_like(k2[..., i + 1:, :]) * 3
+    v2[..., i + 1:, :] = torch.randn_like(v2[..., i + 1:, :]) * 3
+    out = sparse_prefill_attention(q, k, v, cfg, compiled=False)
+    out2 = sparse_prefill_attention(q, k2, v2, cfg, compiled=False)
+    assert torch.equal(out[..., : i + 1, :], out2[..., : i + 1, :])
+
+
+def test_one_key_head_is_rigid_and_random_heads_are_dynamic() -> None:
+    torch.manual_seed(0)
+    n, d = 2048, 64
+    cfg = EntropyConfig(segment_size=256, block_size=128, base_budget=256, dense_prefix=0)
+    u = F.normalize(torch.randn(d), dim=0)
+    q = torch.randn(1, 2, n, d) * 0.1
+    k = torch.randn(1, 2, n, d) * 0.1
+    q[:, 0] = 10 * u                      # head 0: every query points at u ...
+    k[:, 0] = 0.0
+    k[:, 0, :128] = 10 * u                # ... and only the first key block holds it
+    plan = select_blocks(q, k, cfg)
+    assert plan.rigid[0, 0], f"one-key head should be rigid, entropy max {plan.entropy[0, 0, 1:].max()}"
+    assert (plan.budgets[0, 0] == cfg.base_budget).all()
+    q_random, k_random = torch.randn(1, 4, n, d), torch.randn(1, 2, n, d)
+    random_plan = select_blocks(q_random, k_random, cfg)
+    assert not random_plan.rigid.any(), "random heads should be dynamic"
+    assert (random_plan.budgets > cfg.base_budget).any(), "dynamic heads should move their budgets"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "block", "tol"), [(torch.float32, 128, 1e-5), (torch.bfloat16, 128, 2e-2),
+                                                      (torch.float32, 64, 1e-5)])
+def test_compiled_equals_reference_and_eager(dtype: torch.dtype, block: int, tol: float) -> None:
+    case = {"batch": 2, "hq": 6, "hkv": 3, "n": 1100, "d": 64, "dtype": dtype, "seed": 7,
+            "config": EntropyConfig(segment_size=256, block_size=block, base_budget=128, dense_prefix=256,
+                                    local_blocks=1, max_budget_factor=2.0)}
+    q, k, v = make_qkv(case)
+    cfg = case["config"]
+    plan = select_blocks(q, k, cfg)
+    assert 0.2 < plan.density < 0.95
+    compiled = sparse_prefill_attention(q, k, v, cfg)
+    eager = run_plan(q, k, v, plan, compiled=False)
+    ref = reference.masked_attention(q, k, v, plan.to_dense_mask())
+    assert compiled.dtype == dtype
+    assert rel_err(compiled, ref) < tol
+    assert rel_err(compiled, eager) < tol
+    ref_plan = reference.select_blocks(q, k, cfg)
+    assert rel_err(compiled, reference.masked_attention(q, k, v, ref_plan.dense_mask)) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [64, 128])
+def test_cuda_compiled_matches_reference(dtype: torch.dtype, block: int) -> None:
+    cfg = EntropyConfig(segment_size=512, block_size=block, base_budget=512, dense_prefix=512)
+    for n in (3000, 4096, 5000):
+        case = {"batch": 2, "hq": 8, "hkv": 2, "n": n, "d": 128, "dtype": dtype, "seed": n, "config": cfg}
+        q, k, v = make_qkv(case, device="cuda")
+        plan = select_blocks(q, k, cfg)
+        out = sparse_prefill_attention(q, k, v, cfg, plan=plan)
+        ref = reference.masked_attention(q.cpu(), k.cpu(), v.cpu(), plan.to_dense_mask().cpu())
+        tol = 1e-3 if dtype == torch.float32 else 2e-2         # tf32 inside the GPU kernel
+        assert rel_err(out.cpu(), ref) < tol, (n, dtype, block)
+
+
+def test_density_counts_blocks() -> None:
+    n = 1024
+    cfg = EntropyConfig(segment_size=256, block_size=128, base_budget=128, dense_prefix=0, dense_last_segment=False,
+                        sink_blocks=0, max_budget_factor=1.0)
+    q, k = torch.randn(1, 1, n, 16), torch.randn(1, 1, n, 16)
+    plan = select_blocks(q, k, cfg)
+    causal = sum(qb + 1 for qb in range(8))                     # 36 causal 128x128 blocks
+    own = sum((qb % 2) + 1 for qb in range(8))                  # own-segment blocks: 12
+    chosen = sum(min(1, (qb // 2) * 2) for qb in range(8))      # one chosen block per row from segment 1 on: 6
+    assert plan.density == pytest.approx((own + chosen) / causal)
+    assert math.isclose(reference.select_blocks(q, k, cfg).density, plan.density)
+
+
+@settings(max_examples=20)
+@given(prefill_case(max_n=2500, dims=(16, 64)))
+def test_ties_go_to_the_lower_block_index(case: dict) -> None:
+    """Zero queries make every candidate score equal: the plan must take the lowest free blocks, as the oracle."""
+    q, k, _ = make_qkv(case)
+    q = torch.zeros_like(q)
+    plan = select_blocks(q, k, case["config"])
+    ref = reference.select_blocks(q, k, case["config"])
+    assert torch.equal(plan.blocks, ref.blocks)

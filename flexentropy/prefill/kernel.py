@@ -9,7 +9,7 @@ path that materialises every score: an out-of-memory at long N). Hitting the lim
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -25,7 +25,13 @@ class RecompileLimitError(RuntimeError):
 @functools.cache
 def flash_available() -> bool:
     """Whether flex attention's FLASH backend (the flash-attn-4 CuTe kernels) can run here."""
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception:  # absent, or flash-attn 2 without the CuTe kernels, or a broken install
+        return False
+    return True
 
 
 def kernel_options(backend: str, device: torch.device, block_size: int) -> dict[str, object] | None:

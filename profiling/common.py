@@ -1,0 +1,92 @@
+"""Shared helpers of the benchmarks: timing, inputs, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, reps: int = 10) -> float:
+    """Median wall time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def attention_inputs(b: int, hq: int, hkv: int, n: int, d: int, dtype: torch.dtype, device: torch.device,
+                     kind: str = "random", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]``.
+
+    ``kind="random"``: N(0, 1) (nearly uniform attention, the hardest case for sparsity).
+    ``kind="structured"``: adds an attention sink (a shared unit vector x12 in every query and the first 4 keys,
+    projected out of the other keys) and locality (a moving sum over 128 tokens of a random signal added to q
+    and k), closer to what real models show (SPEC section 5).
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, hq, n, d, device=device, generator=gen)
+    k = torch.randn(b, hkv, n, d, device=device, generator=gen)
+    v = torch.randn(b, hkv, n, d, device=device, generator=gen)
+    if kind == "structured":
+        u = torch.nn.functional.normalize(torch.randn(d, device=device, generator=gen), dim=0)
+        k = k - (k @ u)[..., None] * u
+        q = q + 12 * u
+        k[..., :4, :] += 12 * u
+        signal = torch.randn(b, hkv, n + 127, d, device=device, generator=gen) / 128**0.5
+        local = signal.cumsum(dim=-2)
+        local = local[..., 127:, :] - torch.nn.functional.pad(local, (0, 0, 1, 0))[..., : n, :]
+        k = k + local
+        q = q + local.repeat_interleave(hq // hkv, dim=1)
+    elif kind != "random":
+        raise ValueError(f"kind must be 'random' or 'structured', got {kind!r}")
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def environment() -> dict[str, str]:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import flash_attn
+
+        info["flash_attn"] = getattr(flash_attn, "__version__", "present")
+    except ImportError:
+        info["flash_attn"] = "absent"
+    return info
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")

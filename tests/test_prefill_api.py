@@ -158,3 +158,24 @@ def test_hitting_the_recompile_limit_is_an_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     with pytest.raises(fe.RecompileLimitError, match="recompile_limit"):
         sparse_prefill_attention(q.double(), k.double(), v.double(), cfg)   # dtype change forces a recompile
+
+
+@pytest.mark.slow
+def test_compiled_selection_equals_eager_across_lengths_without_recompiles() -> None:
+    """The selection graph (the default on CUDA) is length-generic: no guard on N, segment count or divisibility.
+
+    Dynamo specialises size-1 dimensions, so a last segment of exactly one token (N % L_S == 1) has a graph of
+    its own: both variants are warmed first, then no length may add a graph."""
+    from torch._dynamo.utils import counters
+
+    cfg = EntropyConfig(segment_size=256, block_size=64, base_budget=128, dense_prefix=256, local_blocks=1)
+    graphs = None
+    for i, n in enumerate((1500, 2049, 1536, 2000, 2048, 2700, 3000, 3328, 4097, 4609)):
+        q, k, _ = _qkv(n=n, d=32)
+        fast = fe.select_blocks(q, k, cfg, compiled=True)
+        eager = fe.select_blocks(q, k, cfg, compiled=False)
+        assert torch.equal(fast.blocks, eager.blocks), n
+        torch.testing.assert_close(fast.budgets, eager.budgets)
+        if i == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "selection recompiled for a new length"

@@ -1,9 +1,9 @@
 """Entropy-guided sparse prefill: observation -> entropy -> budgets -> selection -> BlockMask -> kernel."""
 
+from flexentropy._compile import RecompileLimitError
 from flexentropy.prefill.attention import dense_causal_attention, sparse_prefill_attention
 from flexentropy.prefill.budgets import allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
-from flexentropy.prefill.kernel import RecompileLimitError
 from flexentropy.prefill.observation import observation_attention
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import select_blocks

@@ -2,13 +2,14 @@
 
 The paper's recurrence ``B[s] = clamp(B[s-1] + alpha * B_0 * (r_s - delta_t), B_0, M * B_0)`` is sequential in s.
 Each step is a *clamp-shift* map ``x -> clamp(x + a, lo, hi)`` and such maps are closed under composition, so
-the recurrence is an associative prefix scan: `_clamp_shift_scan` evaluates it in ``ceil(log2 C_S)``
-vectorised steps (Hillis-Steele), without a Python loop over segments or a host sync.
+the recurrence is an associative prefix scan: `_clamp_shift_scan` evaluates it in 16 vectorised
+Hillis-Steele steps, without a Python loop over segments or a host sync.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flexentropy.config import EntropyConfig
 from flexentropy.prefill.entropy import rigid_heads
@@ -28,27 +29,31 @@ def fluctuation_rate(entropy: torch.Tensor, kind: str, fluctuation_threshold: fl
     return ((cur - prev) / (prev + _EPS)).clamp(0.0, 1.0 + fluctuation_threshold)
 
 
+MAX_SEGMENTS = 2**16
+"""Longest segment axis the budget scan covers (33M tokens at segment_size 512)."""
+
+
 def _clamp_shift_scan(shift: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inclusive prefix composition of ``f_s(x) = clamp(x + shift[..., s], lo, hi)`` along the last dim.
 
     Returns ``(a, l, h)`` such that ``f_s o ... o f_0 (x) = clamp(x + a[s], l[s], h[s])``.
     Composition rule (first ``(a1, l1, h1)``, then ``(a2, l2, h2)``):
-    ``(a1 + a2, clamp(l1 + a2, l2, h2), clamp(h1 + a2, l2, h2))``.
+    ``(a1 + a2, clamp(l1 + a2, l2, h2), clamp(h1 + a2, l2, h2))``. Each of the fixed ``log2(MAX_SEGMENTS)``
+    Hillis-Steele steps composes every entry with the one ``step`` places earlier, shifted in with the identity
+    ``(0, -inf, inf)``, so no step branches on the length (one compiled graph for every length).
     """
     a = shift
     lo_t = torch.full_like(shift, lo)
     hi_t = torch.full_like(shift, hi)
     n = shift.shape[-1]
-    step = 1
-    while step < n:
-        a_prev, l_prev, h_prev = a[..., :-step], lo_t[..., :-step], hi_t[..., :-step]
-        a_cur, l_cur, h_cur = a[..., step:], lo_t[..., step:], hi_t[..., step:]
-        new_l = torch.minimum(torch.maximum(l_prev + a_cur, l_cur), h_cur)
-        new_h = torch.minimum(torch.maximum(h_prev + a_cur, l_cur), h_cur)
-        a = torch.cat([a[..., :step], a_prev + a_cur], dim=-1)
-        lo_t = torch.cat([lo_t[..., :step], new_l], dim=-1)
-        hi_t = torch.cat([hi_t[..., :step], new_h], dim=-1)
-        step *= 2
+    for exponent in range(MAX_SEGMENTS.bit_length() - 1):
+        step = 2**exponent
+        a_prev = F.pad(a, (step, 0), value=0.0)[..., :n]
+        l_prev = F.pad(lo_t, (step, 0), value=float("-inf"))[..., :n]
+        h_prev = F.pad(hi_t, (step, 0), value=float("inf"))[..., :n]
+        lo_t, hi_t = (torch.minimum(torch.maximum(l_prev + a, lo_t), hi_t),
+                      torch.minimum(torch.maximum(h_prev + a, lo_t), hi_t))
+        a = a_prev + a
     return a, lo_t, hi_t
 
 

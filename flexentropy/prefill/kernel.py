@@ -14,12 +14,8 @@ import importlib
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, make_block_mask
-
-
-class RecompileLimitError(RuntimeError):
-    """Raised instead of silently falling back to eager flex attention (which would materialise N x N scores)."""
+from flexentropy._compile import no_silent_fallback
+from flexentropy.prefill.plan import SparsePlan, make_block_mask
 
 
 @functools.cache
@@ -34,15 +30,23 @@ def flash_available() -> bool:
     return True
 
 
-def kernel_options(backend: str, device: torch.device, block_size: int) -> dict[str, object] | None:
-    """flex ``kernel_options`` for ``backend`` (``"auto"``, ``"triton"``, ``"flash"``) on ``device``."""
+def kernel_options(backend: str, device: torch.device, block_size: int,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, object] | None:
+    """flex ``kernel_options`` for ``backend`` (``"auto"``, ``"triton"``, ``"flash"``) on ``device``.
+
+    ``"auto"`` picks FLASH (flash-attn-4, ~1.4x faster than Triton on H100/H200) where it can run: CUDA,
+    16-bit inputs, ``block_size == 128``, flash-attn-4 importable; otherwise Triton (or the CPU kernel).
+    """
     if device.type != "cuda":
         if backend == "flash":
             raise ValueError("backend='flash' needs a CUDA device")
         return None
-    if backend == "flash" or (backend == "auto" and flash_available() and block_size == 128):
+    half = dtype in (torch.float16, torch.bfloat16)
+    if backend == "flash" or (backend == "auto" and half and block_size == 128 and flash_available()):
         if block_size != 128:
             raise ValueError(f"backend='flash' needs block_size=128, got {block_size}")
+        if not half:
+            raise ValueError(f"backend='flash' needs float16 or bfloat16 inputs, got {dtype}")
         if not flash_available():
             raise ValueError("backend='flash' needs flash-attn-4 (`pip install flash-attn-4`); "
                              "use backend='auto' to fall back to Triton")
@@ -50,10 +54,9 @@ def kernel_options(backend: str, device: torch.device, block_size: int) -> dict[
     return None
 
 
-def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
-                     tensors: tuple[torch.Tensor, ...], block_size: int, q_block_size: int, scale: float | None,
-                     options: dict[str, object] | None) -> torch.Tensor:
-    block_mask = make_block_mask(blocks, q.shape[-2], block_size, tensors, q_block_size)
+def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                     scale: float | None, options: dict[str, object] | None, table_mask_mod: bool) -> torch.Tensor:
+    block_mask = make_block_mask(blocks, q.shape[-2], block_size, table_mask_mod=table_mask_mod)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
 
@@ -65,25 +68,12 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
              compiled: bool = True, backend: str = "auto") -> torch.Tensor:
     """Attention of ``q [B, Hq, N, D]`` over ``k``/``v [B, Hkv, N, D]`` restricted to ``plan``.
 
-    ``compiled=False`` runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores
-    (small N only; used by the property tests). Output dtype = ``q.dtype``.
+    The BlockMask indices are built inside the compiled graph (fused with the kernel launch). ``compiled=False``
+    runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores (small N only; used
+    by the property tests). Output dtype = ``q.dtype``.
     """
-    blocks, q_block = plan.blocks, Q_BLOCK_SIZE
-    if q.device.type == "cpu" and plan.block_size != Q_BLOCK_SIZE:
-        # Inductor's CPU flex template miscompiles Q block 128 x KV block 64 with dynamic shapes; the same
-        # table at query blocks of 64 (each row repeated) is the same function and compiles fine.
-        q_block = plan.block_size
-        blocks = blocks.repeat_interleave(Q_BLOCK_SIZE // q_block, dim=-2)[..., : -(-plan.seq_len // q_block), :]
-    tensors = block_mask_tensors(blocks, plan.seq_len, plan.block_size, q_block)
     if not compiled:
-        return _flex_over_table(q, k, v, blocks, tensors, plan.block_size, q_block, scale, None)
-    options = kernel_options(backend, q.device, plan.block_size)
-    try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return _compiled_flex_over_table(q, k, v, blocks, tensors, plan.block_size, q_block, scale, options)
-    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-        raise RecompileLimitError(
-            "flexentropy's sparse kernel hit torch._dynamo.config.recompile_limit "
-            f"({torch._dynamo.config.recompile_limit}); refusing the eager fallback, which materialises "
-            "N x N attention scores. Raise the limit or keep dtypes/devices/head counts fixed across calls."
-        ) from err
+        return _flex_over_table(q, k, v, plan.blocks, plan.block_size, scale, None, True)
+    options = kernel_options(backend, q.device, plan.block_size, q.dtype)
+    with no_silent_fallback():
+        return _compiled_flex_over_table(q, k, v, plan.blocks, plan.block_size, scale, options, False)

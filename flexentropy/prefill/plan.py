@@ -20,74 +20,87 @@ from flexentropy.config import Q_BLOCK_SIZE
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None,
-                  q_block_size: int = Q_BLOCK_SIZE) -> torch.Tensor:
+def causal_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Key blocks holding at least one key visible to some query of each query block.
 
     Returns:
         bool ``[C_Q, C_B]``: True where ``j * block_size <= last query of qb``.
     """
-    qb = torch.arange(-(-seq_len // q_block_size), device=device)
+    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
     j = torch.arange(-(-seq_len // block_size), device=device)
-    last_q = torch.clamp((qb + 1) * q_block_size, max=seq_len) - 1
+    last_q = torch.clamp((qb + 1) * Q_BLOCK_SIZE, max=seq_len) - 1
     return j[None, :] * block_size <= last_q[:, None]
 
 
-def partial_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None,
-                   q_block_size: int = Q_BLOCK_SIZE) -> torch.Tensor:
+def partial_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Blocks that need ``mask_mod`` inside: those crossing the diagonal, and the padded tails.
 
     Returns:
         bool ``[C_Q, C_B]``: True where some key of block j lies after the first query of qb, or either block
         extends past ``seq_len``.
     """
-    qb = torch.arange(-(-seq_len // q_block_size), device=device)
+    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
     j = torch.arange(-(-seq_len // block_size), device=device)
-    crosses = (j[None, :] + 1) * block_size - 1 > qb[:, None] * q_block_size
+    crosses = (j[None, :] + 1) * block_size - 1 > qb[:, None] * Q_BLOCK_SIZE
     kv_tail = (j + 1) * block_size > seq_len
-    q_tail = (qb + 1) * q_block_size > seq_len
+    q_tail = (qb + 1) * Q_BLOCK_SIZE > seq_len
     return crosses | kv_tail[None, :] | q_tail[:, None]
 
 
-def block_table_mask_mod(blocks: torch.Tensor, block_size: int, q_block_size: int = Q_BLOCK_SIZE) -> MaskMod:
-    """``mask_mod`` reading the block table: ``blocks[b, h, q // q_block_size, kv // block_size] & (q >= kv)``."""
+def block_table_mask_mod(blocks: torch.Tensor, block_size: int) -> MaskMod:
+    """``mask_mod`` reading the block table: ``blocks[b, h, q // 128, kv // block_size] & (q >= kv)``."""
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return blocks[b, h, q_idx // q_block_size, kv_idx // block_size] & (q_idx >= kv_idx)
+        return blocks[b, h, q_idx // Q_BLOCK_SIZE, kv_idx // block_size] & (q_idx >= kv_idx)
 
     return mask_mod
 
 
 def _sorted_indices(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-width int32 ``(num_blocks [..., C_Q], indices [..., C_Q, C_B])``: selected blocks first, ascending."""
+    """Full-width int32 ``(num_blocks [..., C_Q], indices [..., C_Q, C_B])``: selected blocks first, ascending.
+
+    Compaction by prefix sum and scatter (one pass) instead of a sort; entries past ``num_blocks`` are 0 and
+    never read by the kernels.
+    """
+    num_blocks = selected.shape[-1]
     num = selected.sum(dim=-1, dtype=torch.int32)
-    idx = torch.argsort((~selected).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return num, idx
+    slot = torch.where(selected, torch.cumsum(selected, dim=-1) - 1, num_blocks)     # unselected -> spare column
+    j = torch.arange(num_blocks, dtype=torch.int32, device=selected.device).expand(selected.shape)
+    idx = torch.zeros(*selected.shape[:-1], num_blocks + 1, dtype=torch.int32, device=selected.device)
+    return num, idx.scatter_(-1, slot, j)[..., :num_blocks]
 
 
-def block_mask_tensors(blocks: torch.Tensor, seq_len: int, block_size: int,
-                       q_block_size: int = Q_BLOCK_SIZE) -> tuple[torch.Tensor, ...]:
+def block_mask_tensors(blocks: torch.Tensor, seq_len: int, block_size: int) -> tuple[torch.Tensor, ...]:
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for ``BlockMask.from_kv_blocks``.
 
     Blocks strictly below the diagonal are *full* (no ``mask_mod`` call); diagonal and tail blocks are partial.
     """
-    partial = partial_blocks(seq_len, block_size, blocks.device, q_block_size)
+    partial = partial_blocks(seq_len, block_size, blocks.device)
     num, idx = _sorted_indices(blocks & partial)
     full_num, full_idx = _sorted_indices(blocks & ~partial)
     return num, idx, full_num, full_idx
 
 
+def causal_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    return q_idx >= kv_idx
+
+
 def make_block_mask(blocks: torch.Tensor, seq_len: int, block_size: int,
-                    tensors: tuple[torch.Tensor, ...] | None = None, q_block_size: int = Q_BLOCK_SIZE) -> BlockMask:
-    """Build the BlockMask of a block table ``[B, H, C_Q, C_B]`` with query blocks of ``q_block_size`` tokens
-    (works eagerly and inside ``torch.compile``)."""
+                    tensors: tuple[torch.Tensor, ...] | None = None, table_mask_mod: bool = True) -> BlockMask:
+    """Build the BlockMask of a block table ``[B, H, C_Q, C_B]`` (works eagerly and inside ``torch.compile``).
+
+    ``table_mask_mod=False`` gives the block-sparse kernel a plain causal ``mask_mod``: the kernel evaluates
+    ``mask_mod`` only inside listed partial blocks, where the table is True, so both compute the same function;
+    the causal one avoids a table gather per score (and a Triton codegen failure of torch 2.11 for gathers from
+    dynamically shaped tables). Eager flex evaluates ``mask_mod`` everywhere, so it needs the table.
+    """
     if tensors is None:
-        tensors = block_mask_tensors(blocks, seq_len, block_size, q_block_size)
+        tensors = block_mask_tensors(blocks, seq_len, block_size)
     num, idx, full_num, full_idx = tensors
     return BlockMask.from_kv_blocks(
         num, idx, full_num, full_idx,
-        BLOCK_SIZE=(q_block_size, block_size),
-        mask_mod=block_table_mask_mod(blocks, block_size, q_block_size),
+        BLOCK_SIZE=(Q_BLOCK_SIZE, block_size),
+        mask_mod=block_table_mask_mod(blocks, block_size) if table_mask_mod else causal_mask_mod,
         seq_lengths=(seq_len, seq_len),
         compute_q_blocks=False,
     )

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._compile import no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
-from flexentropy.prefill.budgets import allocate_budgets
+from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
@@ -86,13 +87,29 @@ def dense_plan(q: torch.Tensor, config: EntropyConfig) -> SparsePlan:
     return SparsePlan(blocks, n, config.block_size, dense=True)
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1) -> SparsePlan:
+def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
+                  config: EntropyConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks, budgets, entropy, rigid)`` of a sparse layer: Alg. 1-3 and the top-k, as one graph."""
+    a_obs = _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale)
+    entropy = segment_entropy(a_obs)
+    budgets = allocate_budgets(entropy, config)
+    blocks = block_table(a_obs, budgets, config, q.shape[-2])
+    return blocks, budgets, entropy, rigid_heads(entropy, config.entropy_threshold)
+
+
+_compiled_plan_tensors = torch.compile(_plan_tensors, dynamic=True, fullgraph=True)
+
+
+def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1, *,
+                  compiled: bool | None = None) -> SparsePlan:
     """Entropy-guided sparse plan for one layer (paper Alg. 1-3, SPEC 1.1-1.5).
 
     Args:
         q: ``[B, Hq, N, D]`` post-RoPE queries. k: ``[B, Hkv, N, D]`` post-RoPE keys.
         config: knobs (segment/block sizes, budgets, dense fallbacks).
         layer_idx: layers in ``config.dense_layers`` get a dense plan; so does ``N <= dense_prefix``.
+        compiled: run selection as one compiled graph (default: on CUDA, where it fuses ~100 small kernels;
+            eager on CPU).
 
     Returns:
         `SparsePlan` with the block table, budgets, entropies and rigid-head flags.
@@ -104,9 +121,12 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     n = q.shape[-2]
     if config.is_dense_layer(layer_idx, n):
         return dense_plan(q, config)
-    a_obs = _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale)
-    entropy = segment_entropy(a_obs)
-    budgets = allocate_budgets(entropy, config)
-    blocks = block_table(a_obs, budgets, config, n)
-    return SparsePlan(blocks, n, config.block_size, budgets=budgets, entropy=entropy,
-                      rigid=rigid_heads(entropy, config.entropy_threshold))
+    if -(-n // config.segment_size) > MAX_SEGMENTS:
+        raise ValueError(f"N={n} gives more than {MAX_SEGMENTS} segments of {config.segment_size}; "
+                         "raise segment_size")
+    if compiled if compiled is not None else q.is_cuda:
+        with no_silent_fallback():
+            blocks, budgets, entropy, rigid = _compiled_plan_tensors(q, k, config)
+    else:
+        blocks, budgets, entropy, rigid = _plan_tensors(q, k, config)
+    return SparsePlan(blocks, n, config.block_size, budgets=budgets, entropy=entropy, rigid=rigid)

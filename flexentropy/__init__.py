@@ -1,4 +1,13 @@
-"""flexentropy: entropy-guided sparse prefill and KV-cache eviction for long-context LLMs on FlexAttention."""
+"""flexentropy: entropy-guided sparse prefill and KV-cache eviction for long-context LLMs on FlexAttention.
+
+The algorithms depend on torch and einops only. Names that need transformers (`LatentKVCache`, `enable`) are
+imported on first access, so ``import flexentropy`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from flexentropy.config import EntropyConfig
 from flexentropy.prefill import (
@@ -13,11 +22,31 @@ from flexentropy.prefill import (
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "LatentKVCache": "flexentropy.cache.latent",
+    "decode_attention": "flexentropy.cache.attention",
+    "enable": "flexentropy.integrations.hf",
+    "EntropyAttention": "flexentropy.modules",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flexentropy' has no attribute {name!r}")
+
+
 __all__ = [
+    "EntropyAttention",
     "EntropyConfig",
+    "LatentKVCache",
     "RecompileLimitError",
     "SparsePlan",
     "allocate_budgets",
+    "decode_attention",
+    "enable",
     "observation_attention",
     "segment_entropy",
     "select_blocks",

@@ -4,6 +4,7 @@ Plain PyTorch, float64 by default, explicit loops and full ``N x N`` masks (smal
 Independent of ``flexentropy.prefill``: use it to check the fast implementation, never the other way round.
 """
 
+from reference.cache import LatentCacheOracle, evict, keep_indices, pool_scores, window_attention_scores
 from reference.prefill import (
     ReferencePlan,
     allocate_budgets,
@@ -19,6 +20,11 @@ from reference.prefill import (
 )
 
 __all__ = [
+    "LatentCacheOracle",
+    "evict",
+    "keep_indices",
+    "pool_scores",
+    "window_attention_scores",
     "ReferencePlan",
     "allocate_budgets",
     "blocks_to_dense_mask",

@@ -1,0 +1,62 @@
+"""CPU micro-benchmarks of the selection path (pytest-benchmark). They time, never assert a time.
+
+    python -m pytest tests/test_bench_selection.py --benchmark-only --benchmark-columns=min,median,max
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexentropy as fe
+from flexentropy.prefill.budgets import allocate_budgets
+from flexentropy.prefill.entropy import segment_entropy
+from flexentropy.prefill.observation import _observation
+from flexentropy.prefill.plan import block_mask_tensors
+from flexentropy.prefill.selection import block_table
+
+N, HQ, HKV, D = 16384, 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HQ, N, D, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(1, HKV, N, D, generator=gen, dtype=torch.bfloat16)
+    cfg = fe.EntropyConfig()
+    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale)
+    entropy = segment_entropy(a_obs)
+    budgets = allocate_budgets(entropy, cfg)
+    blocks = block_table(a_obs, budgets, cfg, N)
+    return {"q": q, "k": k, "cfg": cfg, "a_obs": a_obs, "entropy": entropy, "budgets": budgets, "blocks": blocks}
+
+
+def _bench(benchmark, fn, *args):
+    return benchmark.pedantic(fn, args=args, rounds=3, iterations=1, warmup_rounds=1)
+
+
+def test_bench_observation(benchmark, inputs: dict) -> None:
+    cfg = inputs["cfg"]
+    out = _bench(benchmark, _observation, inputs["q"], inputs["k"], cfg.segment_size, cfg.block_size,
+                 cfg.observation, cfg.observation_scale)
+    assert out.shape == (1, HQ, N // cfg.segment_size, N // cfg.block_size)
+
+
+def test_bench_entropy_and_budgets(benchmark, inputs: dict) -> None:
+    out = _bench(benchmark, lambda a: allocate_budgets(segment_entropy(a), inputs["cfg"]), inputs["a_obs"])
+    assert (out >= inputs["cfg"].base_budget).all()
+
+
+def test_bench_block_table(benchmark, inputs: dict) -> None:
+    out = _bench(benchmark, block_table, inputs["a_obs"], inputs["budgets"], inputs["cfg"], N)
+    assert torch.equal(out, inputs["blocks"])
+
+
+def test_bench_mask_tensors(benchmark, inputs: dict) -> None:
+    num, idx, full_num, full_idx = _bench(benchmark, block_mask_tensors, inputs["blocks"], N, 128)
+    assert int(num.sum() + full_num.sum()) == int(inputs["blocks"].sum())
+
+
+def test_bench_select_blocks(benchmark, inputs: dict) -> None:
+    plan = _bench(benchmark, fe.select_blocks, inputs["q"], inputs["k"], inputs["cfg"])
+    assert torch.equal(plan.blocks, inputs["blocks"])

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -179,3 +180,21 @@ def test_compiled_selection_equals_eager_across_lengths_without_recompiles() -> 
         if i == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "selection recompiled for a new length"
+
+
+def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flexentropy.prefill.selection as selection
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise torch._inductor.exc.InductorError(RuntimeError("codegen failed"), None)
+
+    monkeypatch.setattr(selection, "_compiled_plan_tensors", broken)
+    monkeypatch.setattr(selection, "_compile_failed", [])
+    cfg = EntropyConfig(segment_size=256, block_size=64, base_budget=128, dense_prefix=256)
+    q, k, _ = _qkv(n=1500, d=32)
+    with pytest.warns(RuntimeWarning, match="selecting eagerly"):
+        plan = fe.select_blocks(q, k, cfg, compiled=True)
+    assert torch.equal(plan.blocks, fe.select_blocks(q, k, cfg, compiled=False).blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fe.select_blocks(q, k, cfg, compiled=True)              # no second warning

@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexentropy._compile import no_silent_fallback
-from flexentropy.prefill.plan import SparsePlan, make_block_mask
+from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, make_block_mask
 
 
 @functools.cache
@@ -54,9 +54,10 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
     return None
 
 
-def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, block_size: int,
-                     scale: float | None, options: dict[str, object] | None, table_mask_mod: bool) -> torch.Tensor:
-    block_mask = make_block_mask(blocks, q.shape[-2], block_size, table_mask_mod=table_mask_mod)
+def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                     tensors: tuple[torch.Tensor, ...], block_size: int, scale: float | None,
+                     options: dict[str, object] | None, table_mask_mod: bool) -> torch.Tensor:
+    block_mask = make_block_mask(blocks, q.shape[-2], block_size, tensors, table_mask_mod)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
 
@@ -68,12 +69,12 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
              compiled: bool = True, backend: str = "auto") -> torch.Tensor:
     """Attention of ``q [B, Hq, N, D]`` over ``k``/``v [B, Hkv, N, D]`` restricted to ``plan``.
 
-    The BlockMask indices are built inside the compiled graph (fused with the kernel launch). ``compiled=False``
-    runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores (small N only; used
-    by the property tests). Output dtype = ``q.dtype``.
+    ``compiled=False`` runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores
+    (small N only; used by the property tests). Output dtype = ``q.dtype``.
     """
+    tensors = block_mask_tensors(plan.blocks, plan.seq_len, plan.block_size)
     if not compiled:
-        return _flex_over_table(q, k, v, plan.blocks, plan.block_size, scale, None, True)
+        return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
     with no_silent_fallback():
-        return _compiled_flex_over_table(q, k, v, plan.blocks, plan.block_size, scale, options, False)
+        return _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)

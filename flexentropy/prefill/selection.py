@@ -6,7 +6,10 @@ All of it is tensor code: no loop over heads or segments, no host sync.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
@@ -98,6 +101,23 @@ def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
 
 
 _compiled_plan_tensors = torch.compile(_plan_tensors, dynamic=True, fullgraph=True)
+_compile_failed: list[str] = []
+"""Set when the compiled selection failed to build here: later calls run the (identical) eager selection."""
+
+
+def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
+                      compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not compiled or _compile_failed:
+        return _plan_tensors(q, k, config)
+    try:
+        with no_silent_fallback():
+            return _compiled_plan_tensors(q, k, config)
+    except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
+            torch._inductor.exc.InductorError) as err:
+        _compile_failed.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        warnings.warn(f"flexentropy: compiling block selection failed ({_compile_failed[0]}); selecting eagerly "
+                      "from now on (same result, more kernel launches)", RuntimeWarning, stacklevel=3)
+        return _plan_tensors(q, k, config)
 
 
 def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1, *,
@@ -109,7 +129,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
         config: knobs (segment/block sizes, budgets, dense fallbacks).
         layer_idx: layers in ``config.dense_layers`` get a dense plan; so does ``N <= dense_prefix``.
         compiled: run selection as one compiled graph (default: on CUDA, where it fuses ~100 small kernels;
-            eager on CPU).
+            eager on CPU). If that graph fails to compile, a warning is given and selection runs eagerly.
 
     Returns:
         `SparsePlan` with the block table, budgets, entropies and rigid-head flags.
@@ -124,9 +144,5 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     if -(-n // config.segment_size) > MAX_SEGMENTS:
         raise ValueError(f"N={n} gives more than {MAX_SEGMENTS} segments of {config.segment_size}; "
                          "raise segment_size")
-    if compiled if compiled is not None else q.is_cuda:
-        with no_silent_fallback():
-            blocks, budgets, entropy, rigid = _compiled_plan_tensors(q, k, config)
-    else:
-        blocks, budgets, entropy, rigid = _plan_tensors(q, k, config)
+    blocks, budgets, entropy, rigid = _run_plan_tensors(q, k, config, q.is_cuda if compiled is None else compiled)
     return SparsePlan(blocks, n, config.block_size, budgets=budgets, entropy=entropy, rigid=rigid)

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from flexentropy.config import EntropyConfig
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_cache, make_prefill
 from flexentropy.prefill import (
     RecompileLimitError,
     SparsePlan,
@@ -27,6 +28,8 @@ _LAZY = {
     "decode_attention": "flexentropy.cache.attention",
     "enable": "flexentropy.integrations.hf",
     "EntropyAttention": "flexentropy.modules",
+    "PolicyCache": "flexentropy.cache.base",
+    "forward_influence": "flexentropy.diagnostics",
 }
 
 
@@ -39,14 +42,20 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CACHE_POLICIES",
+    "PREFILL_POLICIES",
     "EntropyAttention",
     "EntropyConfig",
     "LatentKVCache",
+    "PolicyCache",
     "RecompileLimitError",
     "SparsePlan",
     "allocate_budgets",
     "decode_attention",
     "enable",
+    "forward_influence",
+    "make_cache",
+    "make_prefill",
     "observation_attention",
     "segment_entropy",
     "select_blocks",

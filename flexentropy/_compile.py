@@ -14,7 +14,14 @@ class RecompileLimitError(RuntimeError):
 
 @contextlib.contextmanager
 def no_silent_fallback() -> Iterator[None]:
-    """Turn dynamo's silent eager fallback at ``recompile_limit`` into `RecompileLimitError`."""
+    """Turn dynamo's silent eager fallback at ``recompile_limit`` into `RecompileLimitError`.
+
+    Inside an outer ``torch.compile`` (e.g. of a whole model) the config patch would break the graph; there the
+    outer compile's own settings apply.
+    """
+    if torch.compiler.is_compiling():
+        yield
+        return
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             yield

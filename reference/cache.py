@@ -61,6 +61,8 @@ def window_attention_scores(
                 hq = h * group + g
                 for i in range(window):
                     seen = [j for j in range(length) if k_pos[b][h][j] <= q_pos[i]]
+                    if not seen:
+                        continue  # every key this query saw was evicted: it adds nothing
                     logits = {j: float(torch.dot(q[b, hq, i], k[b, h, j])) for j in seen}  # S = Q_W K^T, row i
                     if kind == "raw":
                         for j in seen:

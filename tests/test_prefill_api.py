@@ -198,3 +198,19 @@ def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: py
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fe.select_blocks(q, k, cfg, compiled=True)              # no second warning
+
+
+def test_block_mask_indices_are_contiguous() -> None:
+    """flex's GPU lowering rejects strided index tensors (an inductor error seen on the H200)."""
+    from flexentropy.prefill.plan import block_mask_tensors
+
+    q, k, _ = _qkv(n=1500, d=32)
+    plan = fe.select_blocks(q, k, EntropyConfig(segment_size=256, block_size=64, base_budget=128, dense_prefix=256))
+    assert all(t.is_contiguous() for t in block_mask_tensors(plan.blocks, plan.seq_len, plan.block_size))
+
+
+def test_cpu_autograd_gets_a_clear_error() -> None:
+    q, k, v = _qkv(n=300)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="no_grad"):
+        sparse_prefill_attention(q, k, v, EntropyConfig(segment_size=128, dense_prefix=0))

@@ -47,7 +47,8 @@ def window_attention_scores(
             query_positions[i]`` (causal).
         kind: ``"softmax"`` (SPEC 2): for each window query and each of the group's ``G`` query heads, the softmax of
             ``scale * q.k`` over the keys it sees, averaged over the ``W * G`` (query, head) pairs; a key a query does
-            not see contributes probability 0. ``"raw"`` (paper Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of
+            not see contributes probability 0, and a query that sees no cached key (all evicted) contributes nothing.
+            ``"raw"`` (paper Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of
             the unscaled logits ``q.k`` over the same pairs, a key a query does not see contributing 0.
         scale: softmax temperature, default ``1 / sqrt(D)``; ignored by ``"raw"``.
 
@@ -77,7 +78,8 @@ def window_attention_scores(
     if kind == "raw":
         return logits.masked_fill_(~visible, 0.0).sum(dim=(2, 3))
     logits.mul_(dim**-0.5 if scale is None else scale).masked_fill_(~visible, float("-inf"))
-    return logits.softmax(dim=-1).mean(dim=(2, 3))
+    probs = logits.softmax(dim=-1).masked_fill_(~visible.any(dim=-1, keepdim=True), 0.0)  # sees nothing: adds 0
+    return probs.mean(dim=(2, 3))
 
 
 def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:

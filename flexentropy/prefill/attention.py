@@ -41,6 +41,9 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_layer_idx(layer_idx)
     if not isinstance(config, EntropyConfig):
         raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU backward): "
+                         "call it under torch.no_grad() or torch.inference_mode()")
     n = q.shape[-2]
     if n == 0:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))

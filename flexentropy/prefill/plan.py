@@ -67,7 +67,8 @@ def _sorted_indices(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     slot = torch.where(selected, torch.cumsum(selected, dim=-1) - 1, num_blocks)     # unselected -> spare column
     j = torch.arange(num_blocks, dtype=torch.int32, device=selected.device).expand(selected.shape)
     idx = torch.zeros(*selected.shape[:-1], num_blocks + 1, dtype=torch.int32, device=selected.device)
-    return num, idx.scatter_(-1, slot, j)[..., :num_blocks]
+    # contiguous: flex's GPU lowering rejects index tensors with a padded row stride (seen on an H200, torch 2.11)
+    return num, idx.scatter_(-1, slot, j)[..., :num_blocks].contiguous()
 
 
 def block_mask_tensors(blocks: torch.Tensor, seq_len: int, block_size: int) -> tuple[torch.Tensor, ...]:

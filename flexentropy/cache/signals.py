@@ -1,0 +1,89 @@
+"""Model signals for information-aware cache policies (InfoKV, SPEC 3): hidden states and predictive entropy,
+read off the forward the model runs anyway.
+
+`attach_signals(model)` registers one forward hook per decoder layer (``model.get_decoder().layers``). Each hook
+finds the forward's cache in the layer's ``past_key_values`` keyword (HF decoder layers receive it) and, when that
+cache wants signals (`PolicyCache.wants_signals`), hands it the layer's output hidden states; the last layer's hook
+also hands over its raw output with a function applying the final norm and the LM head, from which the cache takes
+the predictive distribution of *every* token of the forward (``generate`` computes logits for the last token only).
+Nothing runs the model twice: the extra cost is one LM-head matmul per token, in chunks. The hooks stay on the model
+and do nothing for other caches; attaching twice is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+_HOOKS_ATTR = "_flexentropy_signal_hooks"
+
+
+def restricted_entropy(logits: torch.Tensor, top_k: int = 256) -> torch.Tensor:
+    """Entropy (nats) of the predictive distribution restricted to its ``top_k`` largest logits (InfoKV eq. 2).
+
+    Args:
+        logits: ``[..., V]`` next-token logits.
+        top_k: logits kept (all of them when ``V <= top_k``); the softmax is renormalised over them.
+
+    Returns:
+        float32 ``[...]`` (float64 for float64 logits).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    top = logits.to(dtype).topk(min(top_k, logits.shape[-1]), dim=-1).values
+    log_p = top.log_softmax(dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:
+    """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
+    logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    norm = getattr(decoder, "norm", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if layers is None or norm is None or head is None:
+        raise ValueError(f"cannot find the decoder layers, final norm and LM head of {type(model).__name__}; "
+                         "signal policies need an HF causal LM (model.model.layers / .norm, lm_head)")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+
+    def logits_fn(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(norm(hidden))
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    return layers, logits_fn
+
+
+def attach_signals(model: nn.Module) -> None:
+    """Register the forward hooks that hand hidden states and the predictive distribution to signal caches
+    (module docstring). Idempotent."""
+    if getattr(model, _HOOKS_ATTR, None):
+        return
+    layers, logits_fn = decoder_parts(model)
+    last = len(layers) - 1
+
+    def make_hook(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            cache = kwargs.get("past_key_values")
+            if not getattr(cache, "wants_signals", False):
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            cache.observe_hidden(index, hidden)
+            if index == last:
+                cache.finish_forward(hidden, logits_fn)
+
+        return hook
+
+    handles = [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    setattr(model, _HOOKS_ATTR, handles)
+
+
+def detach_signals(model: nn.Module) -> None:
+    """Remove the hooks of `attach_signals` (no-op when none)."""
+    for handle in getattr(model, _HOOKS_ATTR, None) or []:
+        handle.remove()
+    if hasattr(model, _HOOKS_ATTR):
+        delattr(model, _HOOKS_ATTR)

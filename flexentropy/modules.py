@@ -1,0 +1,159 @@
+"""`EntropyAttention`: a self-contained causal self-attention layer with sparse prefill and cached decoding.
+
+Llama-style: q/k/v/o linear projections, rotary position embedding (RoPE, "rotate half" convention, as
+``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (SPEC 1);
+later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (SPEC 2), through ``decode_attention``. Depends on
+torch only: any object with the `KVCache` methods works as the cache (HF's ``DynamicCache`` too).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from flexentropy._checks import check_layer_idx
+from flexentropy.cache.attention import decode_attention
+from flexentropy.config import EntropyConfig
+from flexentropy.prefill import sparse_prefill_attention
+
+
+class KVCache(Protocol):
+    """What `EntropyAttention` needs from a cache (`flexentropy.LatentKVCache` and HF's caches have it).
+
+    A cache may also define ``observe_queries(query_states, layer_idx)`` (post-RoPE ``[B, Hq, L, D]``), which
+    `EntropyAttention` calls on every forward before ``update``, and ``attend(query, layer_idx, scale=...)``, which
+    it then uses for decode attention instead of attending over what ``update`` returned (flexentropy's
+    `PolicyCache`: kept entries per head, possibly ragged).
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (split in halves)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for integer ``positions [B, L]``: ``(cos, sin)``, each ``[B, 1, L, head_dim]`` in ``dtype``.
+
+    Frequencies ``theta ** (-2i / head_dim)``, computed in float32 and repeated over both halves of the head dim.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions[..., None].float() * inv_freq                          # [B, L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]                         # [B, 1, L, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, L, D]`` by the RoPE tables ``[B, 1, L, D]``."""
+    return x * cos + rotate_half(x) * sin
+
+
+class EntropyAttention(nn.Module):
+    """Causal self-attention with entropy-guided sparse prefill (SPEC 1) and cached decoding (SPEC 2).
+
+    Args:
+        hidden_size: model width (input and output features).
+        num_heads: query heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv`` (GQA; a divisor of ``num_heads``; default ``num_heads``).
+        layer_idx: this layer's index (``config.dense_layers`` run dense; the cache's layer slot).
+        head_dim: ``D`` (default ``hidden_size // num_heads``; even, for RoPE).
+        config: `EntropyConfig` (default ``EntropyConfig()``).
+        rope_theta: RoPE base.
+        bias: bias in the q/k/v/o projections.
+        compiled: run the sparse kernel compiled (False: eager flex, which materialises N x N scores; tests only).
+        device, dtype: of the projection weights.
+
+    Forward: ``hidden_states [B, L, hidden_size]`` -> ``[B, L, hidden_size]``. Without a cache, or with a cache that
+    holds nothing for this layer, the ``L`` tokens are a prompt and run sparse prefill (stored in the cache if
+    given). Otherwise they follow the cached tokens: the cache receives their queries (``observe_queries``, when
+    it has it) and keys/values, and they attend over everything the cache returns. Positions default to
+    ``past .. past + L - 1`` with ``past = cache.get_seq_length(layer_idx)`` (the logical length, evicted tokens
+    included).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, *, layer_idx: int,
+                 head_dim: int | None = None, config: EntropyConfig | None = None, rope_theta: float = 10000.0,
+                 bias: bool = False, compiled: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EntropyAttention {name} must be an int >= 1, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), "
+                                 "or pass head_dim")
+            head_dim = hidden_size // num_heads
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
+        check_layer_idx(layer_idx)
+        config = EntropyConfig() if config is None else config
+        if not isinstance(config, EntropyConfig):
+            raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
+        if not rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx, self.config, self.rope_theta, self.compiled = layer_idx, config, rope_theta, compiled
+        self.scale = head_dim**-0.5
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, layer_idx={self.layer_idx}")
+
+    def forward(self, hidden_states: torch.Tensor, cache: KVCache | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``hidden_states [B, L, hidden_size]`` (see the class docstring); ``[B, L, hidden_size]``.
+
+        Args:
+            cache: a `KVCache` (e.g. `flexentropy.LatentKVCache`) or None (prompt only, nothing kept).
+            position_ids: int ``[B, L]`` or ``[L]`` RoPE positions (default: after the cached tokens).
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [batch, seq_len, hidden_size={self.hidden_size}], "
+                             f"got {tuple(hidden_states.shape)}")
+        if cache is not None and not (hasattr(cache, "update") and hasattr(cache, "get_seq_length")):
+            raise TypeError(f"cache must have update() and get_seq_length() (e.g. flexentropy.LatentKVCache), "
+                            f"got {type(cache).__name__}")
+        batch, length, _ = hidden_states.shape
+        past = 0 if cache is None else cache.get_seq_length(self.layer_idx)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=hidden_states.device)
+        position_ids = position_ids.expand(batch, length)
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden_states.dtype)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [B, L, H * D] -> [B, H, L, D]
+            return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        query = apply_rotary(heads(self.q_proj(hidden_states)), cos, sin)
+        key = apply_rotary(heads(self.k_proj(hidden_states)), cos, sin)
+        value = heads(self.v_proj(hidden_states))
+        if cache is not None:
+            if hasattr(cache, "observe_queries"):
+                cache.observe_queries(query, self.layer_idx)
+            cached_key, cached_value = cache.update(key, value, self.layer_idx)
+        if past == 0:
+            out = sparse_prefill_attention(query, key, value, self.config, self.layer_idx, scale=self.scale,
+                                           compiled=self.compiled)
+        elif hasattr(cache, "attend"):  # a flexentropy PolicyCache reads its own layout (per-head, maybe ragged)
+            out = cache.attend(query, self.layer_idx, scale=self.scale)
+        else:
+            out = decode_attention(query, cached_key, cached_value, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -1,0 +1,138 @@
+"""Every prefill and KV-cache policy of flexentropy, selectable by name (SPEC 3-4).
+
+Two registries map a name to a policy class (a frozen dataclass of validated knobs with defaults)::
+
+    PREFILL_POLICIES   dense, entropy, critiprefill, streaming
+    CACHE_POLICIES     full, latent, snapkv, adakv, pyramidkv, streamingllm, h2o, infokv, bounded
+
+Prefill policies map a layer's ``q``/``k`` to a `SparsePlan` run by the same FlexAttention kernel; cache policies are
+rules (when to decide, how to score, how many to keep per KV head) plugged into one transformers ``Cache``,
+`flexentropy.cache.base.PolicyCache`. Any prefill composes with any cache. Adding a policy: one file under
+``policies/prefill/`` or ``policies/cache/`` and one line in the registry below.
+
+Nothing here imports transformers; caches are built (and transformers imported) by `make_cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from flexentropy.config import EntropyConfig
+from flexentropy.policies.base import CachePolicy, PrefillPolicy
+from flexentropy.policies.cache.adakv import AdaKV
+from flexentropy.policies.cache.bounded import BoundedCache
+from flexentropy.policies.cache.full import FullCache
+from flexentropy.policies.cache.h2o import H2O
+from flexentropy.policies.cache.infokv import InfoKV
+from flexentropy.policies.cache.latent import LatentPolicy
+from flexentropy.policies.cache.pyramidkv import PyramidKV
+from flexentropy.policies.cache.snapkv import SnapKV
+from flexentropy.policies.cache.streamingllm import StreamingLLM
+from flexentropy.policies.prefill.critiprefill import CritiPrefill
+from flexentropy.policies.prefill.dense import DensePrefill
+from flexentropy.policies.prefill.entropy import EntropyPrefill
+from flexentropy.policies.prefill.streaming import StreamingPrefill
+
+PREFILL_POLICIES: dict[str, type[PrefillPolicy]] = {
+    "dense": DensePrefill,
+    "entropy": EntropyPrefill,
+    "critiprefill": CritiPrefill,
+    "streaming": StreamingPrefill,
+}
+"""Prefill policy name -> class."""
+
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {
+    "full": FullCache,
+    "latent": LatentPolicy,
+    "snapkv": SnapKV,
+    "adakv": AdaKV,
+    "pyramidkv": PyramidKV,
+    "streamingllm": StreamingLLM,
+    "h2o": H2O,
+    "infokv": InfoKV,
+    "bounded": BoundedCache,
+}
+"""Cache policy name -> class."""
+
+
+def _lookup(registry: dict[str, type], kind: str, name: object) -> type:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} policy {name!r}; choose one of {', '.join(registry)}")
+    return registry[name]
+
+
+def make_prefill(policy: str | PrefillPolicy = "entropy", config: EntropyConfig | None = None,
+                 **knobs: Any) -> PrefillPolicy:
+    """A prefill policy by name (or a policy object, returned as is when no other argument is given).
+
+    Args:
+        policy: a name of `PREFILL_POLICIES` or a `PrefillPolicy`.
+        config: the shared `EntropyConfig` (geometry, budgets, dense fallbacks); default ``EntropyConfig()``.
+        knobs: the policy's own knobs (e.g. ``window=`` for ``"streaming"``) and/or `EntropyConfig` fields, which
+            are applied to ``config``.
+    """
+    if isinstance(policy, PrefillPolicy):
+        if config is not None or knobs:
+            raise TypeError("pass either a PrefillPolicy object or a name with config/knobs, not both")
+        return policy
+    cls = _lookup(PREFILL_POLICIES, "prefill", policy)
+    own = {f.name for f in fields(cls)} - {"config"}
+    config = EntropyConfig() if config is None else config
+    if not isinstance(config, EntropyConfig):
+        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    config_knobs = {k: v for k, v in knobs.items() if k not in own}
+    if config_knobs:
+        config = config.replace(**config_knobs)
+    return cls(config=config, **{k: v for k, v in knobs.items() if k in own})
+
+
+def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
+    """A cache policy (the rule, without storage) by name, with its knobs (or a `CachePolicy` as is)."""
+    if isinstance(policy, CachePolicy):
+        if knobs:
+            raise TypeError("pass either a CachePolicy object or a name with knobs, not both")
+        return policy
+    cls = _lookup(CACHE_POLICIES, "cache", policy)
+    unknown = set(knobs) - {f.name for f in fields(cls)}
+    if unknown:
+        raise TypeError(f"cache policy {policy!r} has no knob(s) {sorted(unknown)}; its knobs: "
+                        f"{', '.join(f.name for f in fields(cls))}")
+    return cls(**knobs)
+
+
+def make_cache(policy: str | CachePolicy = "full", *, model: Any = None, num_layers: int | None = None,
+               **knobs: Any) -> Any:
+    """A fresh transformers ``Cache`` running a cache policy; pass it as ``past_key_values`` to ``generate``.
+
+    Args:
+        policy: a name of `CACHE_POLICIES` or a `CachePolicy`.
+        model: the HF model it will serve (layer count; InfoKV/bounded attach their hidden-state hooks to it).
+        num_layers: layer count when no model is given (PyramidKV).
+        knobs: the policy's knobs (e.g. ``budget=512``).
+    """
+    return make_cache_policy(policy, **knobs).build(model, num_layers=num_layers)
+
+
+__all__ = [
+    "CACHE_POLICIES",
+    "PREFILL_POLICIES",
+    "AdaKV",
+    "BoundedCache",
+    "CachePolicy",
+    "CritiPrefill",
+    "DensePrefill",
+    "EntropyPrefill",
+    "FullCache",
+    "H2O",
+    "InfoKV",
+    "LatentPolicy",
+    "PrefillPolicy",
+    "PyramidKV",
+    "SnapKV",
+    "StreamingLLM",
+    "StreamingPrefill",
+    "make_cache",
+    "make_cache_policy",
+    "make_prefill",
+]

@@ -1,0 +1,202 @@
+"""The two policy interfaces: `PrefillPolicy` (which key blocks a prompt attends to) and `CachePolicy` (which cache
+entries survive decoding), plus knob validation shared by every policy.
+
+A policy is a frozen dataclass of knobs with defaults, validated on construction (kvpress "presses" style). Policies
+import torch only; the transformers ``Cache`` a cache policy plugs into (`flexentropy.cache.base.PolicyCache`) is
+imported when the cache is built.
+
+Prefill policies map post-RoPE ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` of one layer to a `SparsePlan` run by the
+same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the shared cache consults per layer:
+
+* **when** to decide: `CachePolicy.before_append` (at the start of ``update``, before the new tokens are appended:
+  decode-time eviction) and `CachePolicy.when_settled` (once a forward's keys, queries and, for InfoKV, hidden states
+  are all in: compression right after the prefill, or every so many tokens);
+* **how to score**: `CachePolicy.scores` (window attention, accumulated attention, InfoKV fusion, positions);
+* **how many to keep**, per KV head and layer: the target a decision returns, and `CachePolicy.select` (rectangular:
+  the same count in every head) or `CachePolicy.select_ragged` (per-head counts, stored without padding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from flexentropy.config import EntropyConfig
+from flexentropy.prefill.plan import SparsePlan
+
+if TYPE_CHECKING:
+    from flexentropy.cache.base import PolicyCache, PolicyLayer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# knob validation
+
+
+def check_int(owner: str, name: str, value: object, minimum: int = 0) -> None:
+    """Raise unless ``value`` is an int (not a bool) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+def check_float(owner: str, name: str, value: object, low: float, high: float = math.inf) -> None:
+    """Raise unless ``value`` is a real number in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{owner}.{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def check_odd(owner: str, name: str, value: object) -> None:
+    check_int(owner, name, value, 1)
+    if value % 2 == 0:
+        raise ValueError(f"{owner}.{name} must be odd (1 = off), got {value}")
+
+
+def knob_names(cls: type) -> list[str]:
+    """The dataclass fields of a policy class (its knobs), in declaration order."""
+    return [f.name for f in fields(cls)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# prefill
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """Base of every prefill policy: which key blocks each query block of a prompt attends to.
+
+    Every policy shares the geometry and the dense fallbacks of ``config`` (segment and block sizes, sink blocks,
+    ``dense_prefix``, ``dense_last_segment``, ``dense_layers``, kernel backend): only the selection rule differs,
+    so the comparison is on the same kernel with the same dense parts.
+
+    Class attributes (for the registry and the docs): ``name``, ``paper``, ``keeps`` (one line), ``per_head``.
+    """
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    keeps: ClassVar[str] = ""
+    per_head: ClassVar[bool] = False
+
+    config: EntropyConfig = field(default_factory=EntropyConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, EntropyConfig):
+            raise TypeError(f"{type(self).__name__}.config must be an EntropyConfig, got {type(self.config).__name__}")
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+        """Plan of one layer: ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` post-RoPE -> `SparsePlan` ``[B, Hq, C_Q, C_B]``
+        (``dense=True`` where the layer runs plain causal attention)."""
+        raise NotImplementedError
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 1, *,
+                  scale: float | None = None, compiled: bool = True) -> torch.Tensor:
+        """``[B, Hq, N, Dv]``: the plan run by the shared kernel (`sparse_prefill_attention`), dense plans by SDPA."""
+        from flexentropy.prefill.attention import sparse_prefill_attention
+
+        plan = self.plan(q, k, layer_idx)
+        return sparse_prefill_attention(q, k, v, self.config, layer_idx, scale=scale, compiled=compiled, plan=plan)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# cache
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """Base of every cache policy: a scoring/keep rule the shared `PolicyCache` consults per layer.
+
+    Storage is per KV head (never expanded to the query heads). A rectangular policy keeps the same number of
+    entries in every head (``select``); a ragged one (``ragged = True``) keeps per-head counts and the cache stores
+    them without padding (``select_ragged``).
+
+    Class attributes (for the cache and the docs):
+        name, paper: registry name and source.
+        keeps, decides: one-line descriptions of the kept set and of when it is decided.
+        per_head: budgets differ per head (otherwise every head keeps the same count, chosen per head).
+        ragged: per-head counts stored without padding.
+        stats: per-entry statistics the cache stores and gathers with the entries, name -> fill value of new entries.
+        accumulates: the cache hands every query to `on_queries` once its keys are stored (H2O).
+        requires_queries: a later forward without any handed-over prompt query is an error (policies that score
+            with queries; the latent cache checks lazily, when an eviction is due).
+    """
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    keeps: ClassVar[str] = ""
+    decides: ClassVar[str] = ""
+    per_head: ClassVar[bool] = False
+    ragged: ClassVar[bool] = False
+    stats: ClassVar[dict[str, float]] = {}
+    accumulates: ClassVar[bool] = False
+    requires_queries: ClassVar[bool] = True
+
+    # -- what the cache needs from the model ----------------------------------------------------------------
+    @property
+    def query_window(self) -> int:
+        """Most recent post-RoPE queries each layer keeps for scoring (0: none)."""
+        return 0
+
+    @property
+    def needs_signals(self) -> bool:
+        """Whether the rule needs the model's hidden states and predictive distribution (InfoKV)."""
+        return False
+
+    @property
+    def uses_queries(self) -> bool:
+        return self.query_window > 0 or self.accumulates
+
+    def capacity(self) -> int | None:
+        """Most entries per KV head the cache ever holds after a forward (None: unbounded)."""
+        return None
+
+    # -- when ------------------------------------------------------------------------------------------------
+    def before_append(self, layer: PolicyLayer, incoming: int) -> int | None:
+        """Entries per KV head to keep before appending ``incoming`` tokens, or None (no decision). Pure: HF also
+        calls it through ``get_mask_sizes`` to size its masks."""
+        return None
+
+    def when_settled(self, layer: PolicyLayer) -> int | None:
+        """Entries per KV head to keep once the layer's keys, queries (and signals) of a forward are all in."""
+        return None
+
+    # -- what ------------------------------------------------------------------------------------------------
+    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+        """Importance of every stored entry, ``[B, Hkv, S]`` (higher is kept first)."""
+        raise NotImplementedError
+
+    def forced(self, layer: PolicyLayer, incoming: int) -> int | torch.Tensor:
+        """Entries kept whatever their score: an int ``n`` (the last ``n``) or a bool mask ``[B, Hkv, S]``."""
+        return 0
+
+    def select(self, layer: PolicyLayer, target: int, incoming: int) -> torch.Tensor:
+        """Indices ``[B, Hkv, min(target, S)]`` of the kept entries, ascending (same count in every head)."""
+        from flexentropy.cache.keep import keep_indices
+
+        return keep_indices(self.scores(layer), target, self.forced(layer, incoming))
+
+    def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
+        """Ragged policies: bool keep mask ``[B, Hkv, S]`` with per-head counts."""
+        raise NotImplementedError
+
+    def on_queries(self, layer: PolicyLayer, queries: torch.Tensor, first_position: int) -> None:
+        """Accumulating policies: fold ``queries [B, Hq, L, D]`` (positions ``first_position ..``) into stats."""
+
+    def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """Signal policies: the per-token statistic ``[B, L]`` of a layer from its hidden states ``[B, L, d]``, the
+        last layer's and the predictive entropy ``[B, L]``."""
+        raise NotImplementedError
+
+    # -- build -----------------------------------------------------------------------------------------------
+    def build(self, model: Any = None, *, num_layers: int | None = None) -> PolicyCache:
+        """A fresh transformers ``Cache`` running this policy; pass it as ``past_key_values``.
+
+        Args:
+            model: the HF model it will serve (gives the layer count; signal policies attach their forward hooks).
+            num_layers: the number of attention layers, when no model is given (PyramidKV needs it).
+        """
+        from flexentropy.cache.base import PolicyCache
+
+        return PolicyCache(self, model=model, num_layers=num_layers)

@@ -1,0 +1,52 @@
+"""Scoring helpers shared by the cache policies (no policy logic here: only what several rules read)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from flexentropy.cache.scoring import pool_scores, window_attention_scores
+
+if TYPE_CHECKING:
+    from flexentropy.cache.base import PolicyLayer
+
+
+def window_scores(layer: PolicyLayer, kind: str = "softmax", pool: int = 1) -> torch.Tensor:
+    """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / SPEC 2 scoring):
+    mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
+    then average pooling of width ``pool``."""
+    scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),
+                                     key_positions=layer.key_positions(), kind=kind)
+    return pool_scores(scores, pool)
+
+
+def window_entries(layer: PolicyLayer) -> int:
+    """Stored entries at the window's own positions (the last ones: every decision keeps them)."""
+    first = layer.observed - layer.window.shape[-2]
+    return max(0, layer.seen - first)
+
+
+MAX_SCORE_ELEMENTS = 1 << 26
+"""Largest ``[B, Hq, rows, S]`` block of attention scores `accumulate_attention` materialises (256 MiB in float32)."""
+
+
+def accumulate_attention(layer: PolicyLayer, queries: torch.Tensor, first_position: int,
+                         chunk: int = 256) -> torch.Tensor:
+    """``[B, Hkv, S]`` attention the stored entries receive from ``queries [B, Hq, L, D]`` (positions
+    ``first_position ..``), *summed* over the queries and the group's query heads (causal: a query adds 0 to keys
+    after it). Queries are taken at most ``chunk`` at a time, fewer when ``B * Hq * chunk * S`` would exceed
+    `MAX_SCORE_ELEMENTS`: memory is bounded, never ``L x S`` for a whole prompt (the compute is a dense ``Q K^T``)."""
+    group = queries.shape[1] // layer.keys.shape[1]
+    key_positions = layer.key_positions()
+    per_row = queries.shape[0] * queries.shape[1] * max(layer.keys.shape[2], 1)
+    chunk = max(1, min(chunk, MAX_SCORE_ELEMENTS // per_row))
+    total = torch.zeros(layer.keys.shape[:3], dtype=torch.promote_types(queries.dtype, torch.float32),
+                        device=layer.keys.device)
+    for start in range(0, queries.shape[2], chunk):
+        part = queries[:, :, start : start + chunk]
+        positions = torch.arange(first_position + start, first_position + start + part.shape[2],
+                                 device=queries.device)
+        mean = window_attention_scores(part, layer.keys, query_positions=positions, key_positions=key_positions)
+        total += mean * (group * part.shape[2])
+    return total

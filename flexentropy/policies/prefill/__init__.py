@@ -1,0 +1,1 @@
+"""Prefill policies (SPEC 1 and 3): each file one rule from ``q``/``k`` to a `SparsePlan`, on the shared kernel."""

@@ -1,0 +1,27 @@
+"""``dense``: plain causal attention over the whole prompt (the baseline every sparse prefill is measured against)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy.policies.base import PrefillPolicy
+from flexentropy.prefill.plan import SparsePlan
+from flexentropy.prefill.selection import dense_plan
+
+
+@dataclass(frozen=True)
+class DensePrefill(PrefillPolicy):
+    """Every query attends to every earlier key (causal SDPA). No knobs besides the shared ``config`` (unused)."""
+
+    name = "dense"
+    paper = "full attention (Vaswani et al., 2017)"
+    keeps = "every causal key"
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+        """The dense plan (every causal block, ``dense=True``) for ``q [B, Hq, N, D]``."""
+        check_qk(q, k)
+        check_layer_idx(layer_idx)
+        return dense_plan(q, self.config)

@@ -1,0 +1,53 @@
+"""``streaming``: sink blocks plus a local window only, no content-based selection (the "A-shape" of StreamingLLM,
+Xiao et al., ICLR 2024, as a prefill pattern; MInference's Lambda pattern)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy.policies.base import PrefillPolicy, check_int
+from flexentropy.prefill.plan import SparsePlan
+from flexentropy.prefill.selection import block_table, dense_plan
+
+
+@dataclass(frozen=True)
+class StreamingPrefill(PrefillPolicy):
+    """Each segment attends to its own tokens (causal), the first ``config.sink_blocks`` key blocks and the
+    ``ceil(window / block_size)`` blocks just before it; the same for every head.
+
+    Knobs: ``window`` (local tokens before each segment, rounded up to whole key blocks; default None: the same
+    token budget as the other sparse prefills, ``config.base_budget``). Geometry and dense fallbacks
+    (``dense_prefix``, ``dense_last_segment``, ``dense_layers``) come from ``config``, as for every prefill policy.
+    """
+
+    name = "streaming"
+    paper = "StreamingLLM (Xiao et al., ICLR 2024): attention sinks + local window"
+    keeps = "own segment, sink blocks, ceil(window/L_B) local blocks"
+
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window is not None:
+            check_int(type(self).__name__, "window", self.window, 0)
+
+    @property
+    def local_tokens(self) -> int:
+        """Local window in tokens (``window``, or ``config.base_budget`` when None)."""
+        return int(self.config.base_budget) if self.window is None else self.window
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+        """The shared `block_table` with no top-k (zero budgets) and the window as forced local blocks."""
+        check_qk(q, k)
+        check_layer_idx(layer_idx)
+        n = q.shape[-2]
+        if self.config.is_dense_layer(layer_idx, n):
+            return dense_plan(q, self.config)
+        config = self.config.replace(local_blocks=-(-self.local_tokens // self.config.block_size))
+        segments, blocks = -(-n // config.segment_size), -(-n // config.block_size)
+        scores = torch.zeros(1, 1, segments, blocks, device=q.device)
+        table = block_table(scores, scores.new_zeros(1, 1, segments), config, n)
+        return SparsePlan(table.expand(q.shape[0], q.shape[1], -1, -1).contiguous(), n, config.block_size)

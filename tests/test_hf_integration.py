@@ -1,0 +1,242 @@
+"""transformers integration (flexentropy.integrations.hf) on tiny random models of every supported architecture.
+
+Dense twins are the same weights with HF's own ``"sdpa"`` attention. With budgets that cover every key block the
+flexentropy model must generate the dense tokens; with small budgets it must run, stay causal and finite, and a
+left-padded batch must give each row the tokens of its solo run.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from flexentropy import EntropyConfig
+from flexentropy.cache import LatentKVCache
+from flexentropy.integrations import hf
+from flexentropy.integrations.hf import enable, grouped_attention, kept_columns, prefill_density
+
+VOCAB = 256
+PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+ARCHS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),  # q/k norm
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+}
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
+                      decode_window=16, decode_delay=4)
+
+
+def twins(arch: str, config: EntropyConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(dense, flexentropy)``: one random model of ``arch`` and a copy enabled with ``config``."""
+    torch.manual_seed(0)
+    dense = ARCHS[arch]().eval()
+    sparse = ARCHS[arch]().eval()
+    sparse.load_state_dict(dense.state_dict())
+    return dense, enable(sparse, config)
+
+
+def prompt(length: int = PROMPT, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, new: int = 8, **kwargs: object) -> torch.Tensor:
+    """The ``new`` greedily generated tokens ``[B, new]``."""
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
+    """Layers that go sparse: global attention and not in ``config.dense_layers``."""
+    return [m.layer_idx for m in hf.attention_modules(model)
+            if getattr(m, "sliding_window", None) is None and m.layer_idx not in config.dense_layers]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
+    dense, model = twins(arch, COVERING)
+    ids = prompt()
+    with mock.patch.object(hf, "select_blocks", wraps=hf.select_blocks) as planned, torch.no_grad():
+        logits = model(ids).logits
+        assert sorted(c.args[3] for c in planned.call_args_list) == sparse_layers(model, COVERING)
+        torch.testing.assert_close(logits, dense(ids).logits, atol=2e-4, rtol=1e-4)
+    assert prefill_density(model) == 1.0
+    expected = greedy(dense, ids)
+    assert torch.equal(greedy(model, ids), expected)
+    cache = LatentKVCache(COVERING)
+    assert torch.equal(greedy(model, ids, past_key_values=cache), expected)
+    assert cache.stored_length(0) == cache.get_seq_length(0) == PROMPT + 7
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_budgets_run_finite_and_causal(arch: str) -> None:
+    # a tiny entropy threshold makes every head dynamic and the last segment sparse, so the plan of a segment depends
+    # on nothing after it: changing the tokens from a segment boundary on must not change the logits before it
+    config = SMALL.replace(entropy_threshold=1e-30, dense_last_segment=False)
+    _, model = twins(arch, config)
+    ids = prompt()
+    changed = ids.clone()
+    boundary = 3 * config.segment_size
+    changed[:, boundary:] = prompt(PROMPT - boundary, seed=2)
+    with torch.no_grad():
+        logits = model(ids).logits
+        density = prefill_density(model)
+        other = model(changed).logits
+    assert torch.isfinite(logits).all()
+    assert density < 1.0
+    torch.testing.assert_close(other[:, :boundary], logits[:, :boundary], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(other[:, boundary:], logits[:, boundary:])
+
+    cache = LatentKVCache(config)
+    tokens = greedy(model, ids, new=12, past_key_values=cache)
+    assert tokens.shape == (1, 12) and ((tokens >= 0) & (tokens < VOCAB)).all()
+    assert cache.stored_length(1) < cache.get_seq_length(1)  # evicted: the queries were handed over
+
+
+def left_padded(lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(ids [B, max], attention_mask [B, max], solo prompts)`` for prompts of ``lengths``, left-padded with 0."""
+    solos = [prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, solo in enumerate(solos):
+        ids[row, width - solo.shape[1]:] = solo[0]
+        mask[row, width - solo.shape[1]:] = 1
+    return ids, mask, solos
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
+    ids, mask, solos = left_padded((PROMPT, 500))
+    dense, model = twins(arch, COVERING)
+    batch = greedy(model, ids, attention_mask=mask, past_key_values=LatentKVCache(COVERING))
+    for row, solo in enumerate(solos):
+        assert torch.equal(batch[row], greedy(dense, solo)[0]), f"covering budgets, row {row}"
+
+    enable(model, SMALL)
+    with mock.patch.object(hf, "select_blocks", wraps=hf.select_blocks) as planned:
+        batch = greedy(model, ids, attention_mask=mask)
+    rows = [c.args[0].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
+    assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))
+    for row, solo in enumerate(solos):
+        assert torch.equal(batch[row], greedy(model, solo)[0]), f"small budgets, row {row}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_padded_batch_after_eviction_masks_padding(arch: str) -> None:
+    """After an eviction the mask follows each KV head's kept positions; generation runs and stays finite."""
+    ids, mask, _ = left_padded((PROMPT, 400))
+    _, model = twins(arch, SMALL)
+    cache = LatentKVCache(SMALL)
+    with mock.patch.object(hf, "kept_columns", wraps=kept_columns) as gathered:
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    assert all(torch.isfinite(step).all() for step in out.logits)
+    assert cache.stored_length(1) < cache.get_seq_length(1)
+    assert gathered.call_count >= len(hf.attention_modules(model))  # every layer, on every step after the eviction
+
+
+def test_kept_columns_and_grouped_attention_match_a_per_head_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, q_len, stored, logical, dim = 2, 6, 3, 2, 5, 9, 8
+    query = torch.randn(batch, q_heads, q_len, dim, generator=gen, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, stored, dim, generator=gen, dtype=torch.float64)
+    value = torch.randn(batch, kv_heads, stored, dim, generator=gen, dtype=torch.float64)
+    positions = torch.stack([torch.randperm(logical - q_len, generator=gen)[: stored - q_len].sort().values
+                             for _ in range(batch * kv_heads)]).view(batch, kv_heads, -1)
+    positions = torch.cat([positions, torch.arange(logical - q_len, logical).expand(batch, kv_heads, q_len)], -1)
+    mask = torch.rand(batch, 1, q_len, logical, generator=gen) > 0.3
+    mask[..., -q_len:] = True
+    allowed = kept_columns(mask, positions)
+    out = grouped_attention(query, key, value, allowed, scale=None)
+    for b in range(batch):
+        for h in range(q_heads):
+            kv = h // (q_heads // kv_heads)
+            for i in range(q_len):
+                keep = mask[b, 0, i, positions[b, kv]]
+                assert torch.equal(allowed[b, kv, i], keep)
+                weights = (key[b, kv, keep] @ query[b, h, i] / math.sqrt(dim)).softmax(-1)
+                torch.testing.assert_close(out[b, h, i], weights @ value[b, kv, keep])
+
+
+def test_enable_rejects_what_it_cannot_run() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="supports model types .* got 'gpt2'"):
+        enable(gpt2)
+    llama = ARCHS["llama"]()
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        enable(llama, prefill="sparse")
+    with pytest.raises(TypeError, match="EntropyConfig"):
+        enable(llama, {"base_budget": 512})
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        enable(torch.nn.Linear(2, 2))
+    softcapped = Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=16, attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="soft-capping"):
+        enable(softcapped)
+
+
+def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: object) -> None:
+    dense, model = twins("llama", SMALL)
+    model.save_pretrained(tmp_path)  # config.flexentropy is JSON: it survives the round trip
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy").eval()
+    assert loaded.config._attn_implementation == "flexentropy"
+    assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, "entropy")
+    ids = prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert prefill_density(loaded) < 1.0
+    knobs = hf.settings_dict(COVERING, "entropy")
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy", flexentropy=knobs)
+    assert torch.equal(greedy(fresh.eval(), ids), greedy(dense, ids))
+
+
+@pytest.mark.slow
+def test_torch_compile_model_prefill_and_decode() -> None:
+    """``torch.compile(model)``: same logits as eager, prefill and decode, and flex never runs uncompiled."""
+    _, model = twins("llama", SMALL)
+    compiled = torch.compile(model)
+    ids = prompt()
+
+    def run(m: torch.nn.Module) -> list[torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        logits = [m(ids, past_key_values=cache).logits[:, -1]]
+        for _ in range(3):
+            logits.append(m(logits[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+        return logits
+
+    flex_module._WARNINGS_SHOWN.discard("flex_attention_performance")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(compiled)
+    assert not [w for w in caught if "flex_attention called without torch.compile" in str(w.message)]
+    with torch.no_grad():
+        expected = run(model)
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")

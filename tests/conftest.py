@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads; on a loaded machine their spin-waits slow each op ~1000x.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")`` in modules of many tiny ops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @st.composite
 def prefill_case(draw: st.DrawFn, max_n: int = 3000, dims: tuple[int, ...] = (16, 64, 128)) -> dict:
     """Random shapes, dtype and an `EntropyConfig` small enough that every code path fires at small N."""

@@ -23,13 +23,7 @@ from reference import cache as ref
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a loaded machine their spin-waits slow each op ~1000x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = F64) -> torch.Tensor:

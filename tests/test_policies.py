@@ -48,13 +48,7 @@ F64 = torch.float64
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a loaded machine their spin-waits slow each op ~1000x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------------------------------

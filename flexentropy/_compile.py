@@ -7,6 +7,11 @@ from collections.abc import Iterator
 
 import torch
 
+RECOMPILE_LIMIT = 64
+"""Graphs each flexentropy compiled region may hold. Lengths share a graph (``dynamic=True``); each model shape
+(dtype, head counts, head dim, softmax scale, block size, backend) needs its own, and dynamo's default of 8 is
+reached by one process that serves a few models."""
+
 
 class RecompileLimitError(RuntimeError):
     """Raised instead of silently falling back to eager flex attention (which would materialise N x N scores)."""
@@ -23,11 +28,13 @@ def no_silent_fallback() -> Iterator[None]:
         yield
         return
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
             yield
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
-            "a flexentropy compiled region hit torch._dynamo.config.recompile_limit "
-            f"({torch._dynamo.config.recompile_limit}); refusing the eager fallback, which materialises "
-            "N x N attention scores. Raise the limit or keep dtypes/devices/head counts fixed across calls."
+            f"a flexentropy compiled region hit its recompile limit "
+            f"({max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)} graphs); refusing the eager fallback, "
+            "which materialises N x N attention scores. Raise flexentropy._compile.RECOMPILE_LIMIT (or "
+            "torch._dynamo.config.recompile_limit), or keep dtypes/devices/head counts fixed across calls."
         ) from err

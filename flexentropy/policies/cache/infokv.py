@@ -64,9 +64,8 @@ def fused_scores(layer: PolicyLayer, alpha: float, pool: int = 1) -> torch.Tenso
 @dataclass(frozen=True)
 class InfoKV(CachePolicy):
     """See the module docstring. Knobs (the paper's defaults): ``budget`` 1024, ``window`` 64, ``alpha`` 0.9,
-    ``tau`` 1.0,
-    ``top_k`` 256, ``compress_every`` 1024, ``pool`` 1 (no pooling). With ``alpha = 1`` it is SnapKV-like and needs
-    no model signals."""
+    ``tau`` 1.0, ``top_k`` 256, ``compress_every`` 1024, ``pool`` 1 (no pooling). With ``alpha = 1`` it is
+    SnapKV-like and needs no model signals."""
 
     name = "infokv"
     paper = "InfoKV (arXiv 2606.26875; second seed)"

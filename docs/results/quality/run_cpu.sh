@@ -5,7 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 E="python -m flexentropy.eval"
-SAMPLES_2K=${SAMPLES_2K:-4}
 SAMPLES=${SAMPLES:-2}
 
 # 1. Which tasks the model can do at all: dense prefill, full cache.
@@ -14,7 +13,7 @@ $E run --tasks niah_single niah_multikey niah_multivalue niah_multiquery vt cwe 
 
 # 2. Prefill policies at matched B_0 (full cache): accuracy against measured density.
 $E run --tasks niah_single --lengths 2048 --prefill dense entropy critiprefill streaming \
-    --prefill-budgets 64 128 256 512 --samples "$SAMPLES_2K"
+    --prefill-budgets 64 128 256 512 --samples "$SAMPLES"
 $E run --tasks niah_single --lengths 4096 --prefill dense entropy critiprefill streaming \
     --prefill-budgets 64 128 256 --samples "$SAMPLES"
 

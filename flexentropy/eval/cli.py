@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "other needle depths)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", type=Path, default=DEFAULT_OUT / "entropy")
+    e.add_argument("--replot", action="store_true", help="recompute statistics and plots from --out's JSON")
     _model_args(e)
     _geometry_args(e)
     return p
@@ -208,16 +209,20 @@ def cmd_entropy_maps(args: argparse.Namespace) -> int:
     from flexentropy.eval import entropy_maps
     from flexentropy.eval.capture import capture_qkv
 
-    config = geometry(args)
-    loaded = _loader(args)()
-    contexts, profiles = [], []
-    for context, ids in _context_prompts(loaded, args.length, args.contexts, args.seed):
-        profiles.append(entropy_maps.entropy_profile(capture_qkv(loaded.model, ids), config))
-        contexts.append(context)
-        print(f"{context['label']}: {context['tokens']} tokens, starts {context['starts_with']!r}", file=sys.stderr)
+    if args.replot:
+        profiles, contexts, config, kv_heads = entropy_maps.read_results(args.out / "entropy_maps.json")
+    else:
+        config = geometry(args)
+        loaded = _loader(args)()
+        kv_heads = loaded.model.config.num_key_value_heads
+        contexts, profiles = [], []
+        for context, ids in _context_prompts(loaded, args.length, args.contexts, args.seed):
+            profiles.append(entropy_maps.entropy_profile(capture_qkv(loaded.model, ids), config))
+            contexts.append(context)
+            print(f"{context['label']}: {context['tokens']} tokens, starts {context['starts_with']!r}",
+                  file=sys.stderr)
     stats = entropy_maps.analyse(profiles, config)
-    entropy_maps.write_results(profiles, contexts, stats, config, args.out)
-    kv_heads = loaded.model.config.num_key_value_heads
+    entropy_maps.write_results(profiles, contexts, stats, config, kv_heads, args.out)
     for path in entropy_maps.plot(profiles, contexts, stats, config, args.out, kv_heads):
         print(path)
     print(json.dumps(stats, indent=2))

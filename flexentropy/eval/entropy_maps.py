@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +91,22 @@ def analyse(profiles: list[torch.Tensor], config: EntropyConfig) -> dict[str, An
 
 
 def write_results(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: dict[str, Any],
-                  config: EntropyConfig, out: Path) -> Path:
-    """``entropy_maps.json``: statistics, contexts, and every profile (layers x heads x segments)."""
+                  config: EntropyConfig, kv_heads: int, out: Path) -> Path:
+    """``entropy_maps.json``: statistics, contexts, the config, and every profile (layers x heads x segments)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "entropy_maps.json"
-    data = {"stats": stats, "contexts": contexts,
-            "config": {"segment_size": config.segment_size, "block_size": config.block_size,
-                       "entropy_threshold": config.entropy_threshold, "observation": config.observation},
+    data = {"stats": stats, "contexts": contexts, "kv_heads": kv_heads,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
             "profiles": [[[[round(float(e), 8) for e in head] for head in layer] for layer in p] for p in profiles]}
     path.write_text(json.dumps(data), encoding="utf-8")
     return path
+
+
+def read_results(path: Path) -> tuple[list[torch.Tensor], list[dict[str, Any]], EntropyConfig, int]:
+    """``(profiles, contexts, config, kv_heads)`` of an ``entropy_maps.json`` written by `write_results`."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()})
+    return [torch.tensor(p) for p in data["profiles"]], data["contexts"], config, data["kv_heads"]
 
 
 def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: dict[str, Any],
@@ -172,11 +179,12 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
         ax.set_title(what, fontsize=10)
         below = float((data < config.entropy_threshold).mean())
         ax.legend(title=f"{100 * below:.1f}% below 1e-5", fontsize=8)
-    for name, item in stats["classes"].items():
-        if name != "paper":
-            axes[0].axvline(np.log10(item["threshold"]), color="tab:orange", ls=":", lw=1)
-            axes[0].annotate(name, (np.log10(item["threshold"]), axes[0].get_ylim()[1] * 0.9), fontsize=7,
-                             rotation=90)
+    quantiles = {name: item["threshold"] for name, item in stats["classes"].items() if name != "paper"}
+    for i, threshold in enumerate(quantiles.values()):
+        axes[0].axvline(np.log10(threshold), color="tab:orange", ls=":", lw=1,
+                        label="quantile thresholds " + ", ".join(f"{n} {t:.2f}" for n, t in quantiles.items())
+                        if i == 0 else None)
+    axes[0].legend(title=f"{100 * float((values < config.entropy_threshold).mean()):.1f}% below 1e-5", fontsize=8)
     axes[0].set_ylabel("count")
     fig.suptitle("Segment entropy of the observation attention (rigid threshold and quantile thresholds)")
     fig.tight_layout()

@@ -19,6 +19,10 @@ from typing import Any
 from flexentropy.eval.metrics import common_prefix_tokens
 from flexentropy.eval.runner import CONFIG_FILE, METRICS_FILE, RunSpec, read_predictions
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
+"""Marker and line style per policy, so that policies with equal scores stay visible on top of each other."""
+LINESTYLES = ("-", "--", "-.", ":")
+
 COLUMNS = ("model", "task", "length", "placement", "prefill", "prefill_budget", "cache", "cache_budget", "samples",
            "score", "score_low", "score_high", "same_as_dense", "prefix_agreement", "density", "prompt_tokens",
            "prefill_s", "decode_s_per_token", "kv_mib", "path")
@@ -132,20 +136,19 @@ def tables(rows: list[Row]) -> str:
                             group, lambda r: f"{r['cache']} (q {r['placement']})",
                             lambda r: r["cache_budget"] if r["cache_budget"] is not None else "all",
                             lambda r: f"{_fmt(r['score'])} ({_fmt(r['same_as_dense'])})", "cache"))
-    matrix = [r for r in rows if r["score"] is not None and r["prefill_budget"] in (None, r["cache_budget"])
-              and r["cache_budget"] in (None, r["prefill_budget"])]
-    for (task, length, placement), group in _groups(matrix, ("task", "length", "placement")).items():
-        budgets = {r["prefill_budget"] or r["cache_budget"] for r in group} - {None}
+    scored = [r for r in rows if r["score"] is not None]
+    for (task, length, placement), group in _groups(scored, ("task", "length", "placement")).items():
+        budgets = {r["prefill_budget"] for r in group} & {r["cache_budget"] for r in group} - {None}
         for budget in sorted(budgets):
-            cell_rows = [r for r in group if (r["prefill_budget"] or budget) == budget
-                         and (r["cache_budget"] or budget) == budget]
+            cell_rows = [r for r in group
+                         if r["prefill_budget"] in (None, budget) and r["cache_budget"] in (None, budget)]
             if len({r["prefill"] for r in cell_rows}) < 2 or len({r["cache"] for r in cell_rows}) < 2:
                 continue
             sections.append(f"### Prefill x cache, {task} at {length} tokens, question {placement}, "
-                            f"B_0 = B_d = {budget}\n\nscore (same-as-dense share)\n\n" + pivot(
+                            f"B_0 = B_d = {budget}\n\nscore (same-as-dense share), n = samples per cell\n\n" + pivot(
                                 cell_rows, lambda r: r["prefill"], lambda r: r["cache"],
-                                lambda r: f"{_fmt(r['score'])} ({_fmt(r['same_as_dense'])})", "prefill \\ cache",
-                                _prefill_order))
+                                lambda r: f"{_fmt(r['score'])} ({_fmt(r['same_as_dense'])}) n={r['samples']}",
+                                "prefill \\ cache", _prefill_order))
     latency = [r for r in rows if r["task"] == "summarise"]
     if latency:
         sections.append("### Latency prompt (summarise, 100 new tokens; CPU, shared cores: indicative only)\n\n"
@@ -185,25 +188,27 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False, sharey="row")
     for col, (task, length) in enumerate(panels):
         group = [r for r in data if (r["task"], r["length"]) == (task, length)]
-        for prefill in prefills:
+        for i, prefill in enumerate(prefills):
             line = sorted((r for r in group if r["prefill"] == prefill), key=lambda r: r["density"])
             if not line:
                 continue
             x = [r["density"] for r in line]
             y = [r["score"] for r in line]
             err = [[r["score"] - r["score_low"] for r in line], [r["score_high"] - r["score"] for r in line]]
-            axes[0, col].errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=prefill, alpha=0.85)
+            axes[0, col].errorbar(x, y, yerr=err, marker=MARKERS[i], ls=LINESTYLES[i % len(LINESTYLES)], capsize=3,
+                                  label=prefill, alpha=0.85)
             for r in line:
                 axes[0, col].annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
                                       textcoords="offset points", xytext=(3, 3))
-            axes[1, col].plot(x, [r["prefix_agreement"] for r in line], "o-", label=prefill)
+            axes[1, col].plot(x, [r["prefix_agreement"] for r in line], marker=MARKERS[i],
+                              ls=LINESTYLES[i % len(LINESTYLES)], label=prefill)
         for r in group:
             if r["prefill"] == "dense":
                 axes[0, col].axhline(r["score"], color="k", ls="--", lw=1, label=f"dense (n={r['samples']})")
         axes[0, col].set_title(f"{task}, {length} tokens")
-        axes[1, col].set_xlabel("mean prefill density (computed / causal blocks, all layers)")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
+    fig.supxlabel("mean prefill density (computed / causal key blocks, all layers)")
     axes[0, 0].set_ylabel("score (95% Wilson interval)")
     axes[1, 0].set_ylabel("share of the dense greedy answer\nreproduced before divergence")
     axes[0, 0].legend(fontsize=8)
@@ -233,9 +238,10 @@ def plot_cache_budgets(rows: list[Row], path: Path) -> bool:
         for row_i, placement in enumerate(placements):
             ax = axes[row_i, col]
             group = [r for r in data if (r["task"], r["length"], r["placement"]) == (task, length, placement)]
-            for cache in sorted({r["cache"] for r in group if r["cache_budget"] is not None}):
+            for i, cache in enumerate(sorted({r["cache"] for r in group if r["cache_budget"] is not None})):
                 line = sorted((r for r in group if r["cache"] == cache), key=lambda r: r["cache_budget"])
-                ax.plot([r["cache_budget"] for r in line], [r["score"] for r in line], "o-", label=cache, alpha=0.85)
+                ax.plot([r["cache_budget"] for r in line], [r["score"] for r in line], marker=MARKERS[i],
+                        ls=LINESTYLES[i % len(LINESTYLES)], ms=9 - 1.5 * i, label=cache, alpha=0.85)
             for r in group:
                 if r["cache"] == "full":
                     ax.axhline(r["score"], color="k", ls="--", lw=1, label="full cache")

@@ -5,17 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 E="python -m flexentropy.eval"
-SAMPLES=${SAMPLES:-2}
+SAMPLES=${SAMPLES:-4}
 
 # 1. Which tasks the model can do at all: dense prefill, full cache.
 $E run --tasks niah_single niah_multikey niah_multivalue niah_multiquery vt cwe --lengths 1024 2048 4096 \
-    --samples "$SAMPLES"
+    --samples 2
 
 # 2. Prefill policies at matched B_0 (full cache): accuracy against measured density.
 $E run --tasks niah_single --lengths 2048 --prefill dense entropy critiprefill streaming \
     --prefill-budgets 64 128 256 512 --samples "$SAMPLES"
 $E run --tasks niah_single --lengths 4096 --prefill dense entropy critiprefill streaming \
-    --prefill-budgets 64 128 256 --samples "$SAMPLES"
+    --prefill-budgets 64 128 256 512 --samples "$SAMPLES"
 
 # 3. Cache policies at B_d 64-1024 (dense prefill), question after (outside) and before (inside) the context.
 #    niah_multivalue: its answers (~40 tokens) outlast the latent cache's delay of 16 generated tokens.

@@ -51,6 +51,8 @@ class RunResult:
     density: float | None
     kv_mib: float
     warmup_s: float
+    compiled_graphs: int
+    """Graphs torch.compile built during the timed generation (0 after a good warm-up; else the times include it)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,24 +242,37 @@ def generate_timed(model: Any, tokenizer: Any, prompt: Any, cache: Any, max_new_
 
 
 def warm_up(model: Any, prompt: Any, length: int) -> float:
-    """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds."""
+    """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds.
+
+    It writes into a throwaway `DynamicCache` so that keys and values reach the kernels in the layout a cache gives
+    them (contiguous), as in the timed run: without a cache they are strided views, and the compiled kernel would
+    compile again for the timed run.
+    """
     import torch
+    from transformers import DynamicCache
 
     start = time.perf_counter()
     with torch.no_grad():
-        model(prompt[:, :length], use_cache=False)
+        model(prompt[:, :length], past_key_values=DynamicCache(config=model.config), use_cache=True)
     return time.perf_counter() - start
 
 
 def run_once(name: str, model: Any, tokenizer: Any, prompt: Any, cache: Any, needle: Needle | None,
              args: argparse.Namespace, warmup_length: int, density_of: Callable[[], float | None]) -> RunResult:
     """Warm up, then generate greedily and measure (see `RunResult`)."""
+    import torch
+
     warmup = warm_up(model, prompt, warmup_length)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     new, prefill, decode = generate_timed(model, tokenizer, prompt, cache, args.max_new_tokens, name)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    if compiled:
+        print(f"note: the timed {name} run compiled {compiled} graph(s); its times include compilation",
+              file=sys.stderr)
     answer = tokenizer.decode(new, skip_special_tokens=True).strip()
     return RunResult(name=name, answer=answer, found=needle.found_in(answer) if needle else None,
                      prefill_s=prefill, decode_s_per_token=decode, new_tokens=len(new), density=density_of(),
-                     kv_mib=cache_bytes(cache) / 2**20, warmup_s=warmup)
+                     kv_mib=cache_bytes(cache) / 2**20, warmup_s=warmup, compiled_graphs=compiled)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ greedy tokens through ``generate``, the mean decode step, and peak GPU memory. V
 * ``entropy``: flexentropy sparse prefill, full cache;
 * ``latent``: dense prefill, `LatentKVCache` (B_d 1024);
 * ``entropy+latent``: both;
-* ``critiprefill``: CritiPrefill's uniform budget on the same kernels (when the policy registry provides it).
+* ``critiprefill``: CritiPrefill's uniform budget (SPEC 3) on the same kernels.
+
+Each row also counts the graphs dynamo compiled during the timed runs (``compiles_after_warmup``; 0 means no
+recompile after the warm-up at 4k), and the JSON is rewritten after every row, so a cut-off run keeps its rows.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
+from common import environment, sync, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 
@@ -34,10 +37,13 @@ LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def build_model(layers: int, device: torch.device):
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=128256)
+
+
+def build_model(layers: int, device: torch.device, tiny: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**LLAMA_31_8B, **(TINY if tiny else {}), "num_hidden_layers": layers})
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
@@ -58,6 +64,14 @@ def configure(model, variant: str, cfg: fe.EntropyConfig):
     return contextlib.nullcontext, cache
 
 
+def _peak(dev: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+
+
+def _graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def run_variant(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.EntropyConfig) -> dict:
     ctx, make_cache = configure(model, variant, cfg)
     dev = ids.device
@@ -66,21 +80,24 @@ def run_variant(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe
         # warm-up (compiles flex graphs on first use; lengths share graphs afterwards)
         model.generate(ids[:, :4096 + 17], max_new_tokens=2, min_new_tokens=2, past_key_values=make_cache(),
                        **gen_kwargs)
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        graphs = _graphs()
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, past_key_values=make_cache(), **gen_kwargs)
-        torch.cuda.synchronize(dev)
+        sync(dev)
         ttft = time.perf_counter() - t0
-        peak_prefill = torch.cuda.max_memory_allocated(dev)
+        peak_prefill = _peak(dev)
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, past_key_values=make_cache(),
                              **gen_kwargs)
-        torch.cuda.synchronize(dev)
+        sync(dev)
         total = time.perf_counter() - t0
     row = {"variant": variant, "ttft_s": ttft, "prefill_plus_new_s": total,
-           "decode_step_ms": (total - ttft) / (new_tokens - 1) * 1e3, "peak_prefill_gib": peak_prefill / 2**30,
-           "peak_total_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "new_tokens": out.shape[1] - ids.shape[1]}
+           "decode_step_ms": (total - ttft) / (new_tokens - 1) * 1e3, "peak_prefill_gib": peak_prefill,
+           "peak_total_gib": _peak(dev), "new_tokens": out.shape[1] - ids.shape[1],
+           "compiles_after_warmup": _graphs() - graphs}
     if variant.startswith(("entropy", "critiprefill")):
         row["density"] = fe.integrations.hf.prefill_density(model)
     return row
@@ -90,13 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
     p.add_argument("--variants", nargs="+",
-                   default=["dense_cudnn", "dense_flash", "entropy", "latent", "entropy+latent"])
+                   default=["dense_cudnn", "dense_flash", "entropy", "latent", "entropy+latent", "critiprefill"])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=100)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a small model of the same family, for a quick CPU check")
     p.add_argument("--out", default="docs/results/end_to_end.json")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    model = build_model(args.layers, device)
+    device = torch.device(args.device)
+    model = build_model(args.layers, device, args.tiny)
     cfg = fe.EntropyConfig()
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -106,13 +125,15 @@ def main(argv: list[str] | None = None) -> None:
             row = {"n": n, **run_variant(model, variant, ids, args.new_tokens, cfg)}
             rows.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    write_json(args.out, {"benchmark": "end_to_end", "model": "Llama-3.1-8B shape, random weights, bf16",
-                          "layers": args.layers, "new_tokens": args.new_tokens, "environment": environment(),
-                          "rows": rows})
-    print(f"\n{'N':>7} {'variant':>15} {'TTFT s':>8} {'+new s':>8} {'step ms':>8} {'peak GiB':>8} {'density':>7}")
+            write_json(args.out, {"benchmark": "end_to_end", "model": "Llama-3.1-8B shape, random weights, bf16",
+                                  "layers": args.layers, "new_tokens": args.new_tokens,
+                                  "environment": environment(), "rows": rows})
+    print(f"\n{'N':>7} {'variant':>15} {'TTFT s':>8} {'+new s':>8} {'step ms':>8} {'peak GiB':>8} {'density':>7} "
+          f"{'compiles':>8}")
     for r in rows:
         print(f"{r['n']:>7} {r['variant']:>15} {r['ttft_s']:8.3f} {r['prefill_plus_new_s']:8.3f} "
-              f"{r['decode_step_ms']:8.2f} {r['peak_prefill_gib']:8.1f} {r.get('density') or float('nan'):7.3f}")
+              f"{r['decode_step_ms']:8.2f} {r['peak_prefill_gib']:8.1f} {r.get('density') or float('nan'):7.3f} "
+              f"{r['compiles_after_warmup']:8d}")
 
 
 if __name__ == "__main__":

@@ -294,7 +294,8 @@ def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded, tmp_path: 
 def test_class_changes_and_rank_correlation() -> None:
     maps = torch.tensor([[[1e-6, 1.0], [2.0, 3.0]], [[1.0, 1e-6], [2.0, 3.0]]])
     stats = class_changes(maps, 1e-5)
-    assert stats == {"threshold": 1e-5, "rigid_share": 0.25, "pairwise_change": 0.5, "ever_changes": 0.5}
+    assert stats == {"threshold": 1e-5, "rigid_share": 0.25, "pairwise_change": 0.5, "independent_change": 0.375,
+                     "ever_changes": 0.5}
     assert rank_correlation(maps[[0, 0]]) == pytest.approx(1.0)
 
 

@@ -20,7 +20,7 @@ from flexentropy import (
     select_blocks,
     sparse_prefill_attention,
 )
-from flexentropy.prefill.kernel import run_plan
+from flexentropy.prefill.kernel import kernel_options, run_plan
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -219,12 +219,14 @@ def test_compiled_equals_reference_and_eager(dtype: torch.dtype, block: int, tol
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [64, 128])
-def test_cuda_compiled_matches_reference(dtype: torch.dtype, block: int) -> None:
+@pytest.mark.parametrize(("dtype", "block", "d"), [
+    (torch.float32, 64, 128), (torch.float32, 128, 128), (torch.bfloat16, 64, 128), (torch.bfloat16, 128, 128),
+    (torch.bfloat16, 64, 64),        # SmolLM2's head dim: Triton's default tile is wider than a 64-key block
+])
+def test_cuda_compiled_matches_reference(dtype: torch.dtype, block: int, d: int) -> None:
     cfg = EntropyConfig(segment_size=512, block_size=block, base_budget=512, dense_prefix=512)
     for n in (3000, 4096, 5000):
-        case = {"batch": 2, "hq": 8, "hkv": 2, "n": n, "d": 128, "dtype": dtype, "seed": n, "config": cfg}
+        case = {"batch": 2, "hq": 8, "hkv": 2, "n": n, "d": d, "dtype": dtype, "seed": n, "config": cfg}
         q, k, v = make_qkv(case, device="cuda")
         plan = select_blocks(q, k, cfg)
         out = sparse_prefill_attention(q, k, v, cfg, plan=plan)
@@ -255,3 +257,11 @@ def test_ties_go_to_the_lower_block_index(case: dict) -> None:
     plan = select_blocks(q, k, case["config"])
     ref = reference.select_blocks(q, k, case["config"])
     assert torch.equal(plan.blocks, ref.blocks)
+
+
+def test_triton_tile_fits_a_64_key_block() -> None:
+    cuda = torch.device("cuda")          # kernel_options only reads the device type: no GPU needed
+    assert kernel_options("triton", cuda, 64, torch.bfloat16) == {"BLOCK_N": 64}
+    assert kernel_options("auto", cuda, 64, torch.float32) == {"BLOCK_N": 64}
+    assert kernel_options("triton", cuda, 128, torch.bfloat16) is None
+    assert kernel_options("auto", torch.device("cpu"), 64) is None

@@ -51,16 +51,21 @@ def budget_map(profile: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
 def class_changes(maps: torch.Tensor, threshold: float) -> dict[str, float]:
     """How the rigid/dynamic split moves between contexts; ``maps`` ``[contexts, layers, Hq]`` max entropies.
 
-    Returns the share of rigid heads, the mean over context pairs of the share of heads whose class differs, and
-    the share of heads that are rigid in some context and dynamic in another.
+    Returns the share of rigid heads; the mean over context pairs of the share of heads whose class differs, and
+    what that share would be if each context drew its rigid heads independently at its own rigid share
+    (``p_a (1 - p_b) + p_b (1 - p_a)``: a map that carries no head identity); and the share of heads that are rigid
+    in some context and dynamic in another.
     """
     rigid = maps < threshold
+    share = rigid.float().mean(dim=(1, 2))
     pairs = list(itertools.combinations(range(maps.shape[0]), 2))
     flips = [float((rigid[a] != rigid[b]).float().mean()) for a, b in pairs]
+    independent = [float(share[a] * (1 - share[b]) + share[b] * (1 - share[a])) for a, b in pairs]
     return {
         "threshold": threshold,
         "rigid_share": float(rigid.float().mean()),
         "pairwise_change": statistics.fmean(flips) if flips else 0.0,
+        "independent_change": statistics.fmean(independent) if independent else 0.0,
         "ever_changes": float((rigid.any(dim=0) & ~rigid.all(dim=0)).float().mean()),
     }
 
@@ -197,7 +202,7 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
     image = ax.imshow(budgets, aspect="auto", cmap="cividis", vmin=1, vmax=config.max_budget_factor)
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
-    ax.set_title(f"mean budget / B_0 per head\n({contexts[0]['label']})", fontsize=9)
+    ax.set_title(f"mean budget / B_0 per head (Alg. 3)\n{contexts[0]['label']}; layer 0 runs dense", fontsize=9)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     files.append(out / "budget_map.png")

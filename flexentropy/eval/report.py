@@ -2,8 +2,8 @@
 
 Every run is compared with the dense-prefill, full-cache run of the same (model, task, length, placement) on the
 same samples: besides the task score, ``same_as_dense`` (share of samples whose greedy generation is token for token
-the dense one) and ``prefix_agreement`` (mean share of the dense generation reproduced before the first differing
-token) show small deviations that a handful of samples cannot show in the score.
+the dense one) and ``prefix_agreement`` ("agreement" in the tables: mean share of the dense generation reproduced before
+the first differing token) show deviations that a handful of samples cannot show in the score.
 """
 
 from __future__ import annotations
@@ -123,19 +123,19 @@ def tables(rows: list[Row]) -> str:
         if len({r["prefill"] for r in group}) < 2:
             continue
         sections.append(f"### Prefill policies, {task}, question {placement}, full cache\n\n"
-                        "score [95% Wilson] / mean prefill density / share of samples identical to dense\n\n" + pivot(
+                        "score [95% Wilson] / mean prefill density / agreement with dense\n\n" + pivot(
                             group, lambda r: policy_name(r, "prefill"), lambda r: r["length"],
-                            lambda r: f"{score_cell(r)} / d={_fmt(r['density'])} / same={_fmt(r['same_as_dense'])}",
+                            lambda r: f"{score_cell(r)} / d={_fmt(r['density'])} / agr={_fmt(r['prefix_agreement'])}",
                             "prefill", _prefill_order))
     caches = [r for r in rows if r["prefill"] == "dense" and r["score"] is not None]
     for (task, length), group in _groups(caches, ("task", "length")).items():
         if len({r["cache"] for r in group}) < 2:
             continue
         sections.append(f"### Cache policies, {task} at {length} tokens, dense prefill\n\n"
-                        "score (same-as-dense share) per B_d; `full` keeps everything\n\n" + pivot(
+                        "score (agreement with dense) per B_d, n samples per cell; `full` keeps everything\n\n" + pivot(
                             group, lambda r: f"{r['cache']} (q {r['placement']})",
                             lambda r: r["cache_budget"] if r["cache_budget"] is not None else "all",
-                            lambda r: f"{_fmt(r['score'])} ({_fmt(r['same_as_dense'])})", "cache"))
+                            lambda r: f"{_fmt(r['score'])} ({_fmt(r['prefix_agreement'])}) n={r['samples']}", "cache"))
     scored = [r for r in rows if r["score"] is not None]
     for (task, length, placement), group in _groups(scored, ("task", "length", "placement")).items():
         budgets = {r["prefill_budget"] for r in group} & {r["cache_budget"] for r in group} - {None}
@@ -145,9 +145,9 @@ def tables(rows: list[Row]) -> str:
             if len({r["prefill"] for r in cell_rows}) < 2 or len({r["cache"] for r in cell_rows}) < 2:
                 continue
             sections.append(f"### Prefill x cache, {task} at {length} tokens, question {placement}, "
-                            f"B_0 = B_d = {budget}\n\nscore (same-as-dense share), n = samples per cell\n\n" + pivot(
+                            f"B_0 = B_d = {budget}\n\nscore (agreement with dense), n samples per cell\n\n" + pivot(
                                 cell_rows, lambda r: r["prefill"], lambda r: r["cache"],
-                                lambda r: f"{_fmt(r['score'])} ({_fmt(r['same_as_dense'])}) n={r['samples']}",
+                                lambda r: f"{_fmt(r['score'])} ({_fmt(r['prefix_agreement'])}) n={r['samples']}",
                                 "prefill \\ cache", _prefill_order))
     latency = [r for r in rows if r["task"] == "summarise"]
     if latency:
@@ -327,10 +327,11 @@ def entropy_tables(path: Path) -> str:
            f"{stats['max_entropy_min']:.3g}, median {stats['max_entropy_median']:.3g}, max "
            f"{stats['max_entropy_max']:.3g} nats; segments below 1e-5: {100 * stats['segments_below_threshold']:.2f}%;"
            f" mean rank correlation of the head maps between contexts: {stats['rank_correlation']:.2f}\n\n"
-           "| threshold | value | rigid share | heads changing class, mean over context pairs | heads changing class "
-           "in some context |\n|---|---|---|---|---|\n")
+           "| threshold | value | rigid share | heads changing class, mean over context pairs | the same if heads "
+           "were drawn independently per context | heads changing class in some context |\n|---|---|---|---|---|---|\n")
     return out + "".join(f"| {name} | {c['threshold']:.3g} | {c['rigid_share']:.3f} | {c['pairwise_change']:.3f} | "
-                         f"{c['ever_changes']:.3f} |\n" for name, c in stats["classes"].items())
+                         f"{c['independent_change']:.3f} | {c['ever_changes']:.3f} |\n"
+                         for name, c in stats["classes"].items())
 
 
 def write_report(root: Path, out: Path) -> list[Path]:

@@ -36,6 +36,8 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
 
     ``"auto"`` picks FLASH (flash-attn-4, ~1.4x faster than Triton on H100/H200) where it can run: CUDA,
     16-bit inputs, ``block_size == 128``, flash-attn-4 importable; otherwise Triton (or the CPU kernel).
+    Triton's default tile for head dim 64 is 128 keys wide, which a 64-key block cannot hold: below 128 the tile
+    width (``BLOCK_N``) is pinned to the block size.
     """
     if device.type != "cuda":
         if backend == "flash":
@@ -51,7 +53,7 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
             raise ValueError("backend='flash' needs flash-attn-4 (`pip install flash-attn-4`); "
                              "use backend='auto' to fall back to Triton")
         return {"BACKEND": "FLASH"}
-    return None
+    return {"BLOCK_N": block_size} if block_size < 128 else None
 
 
 def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,

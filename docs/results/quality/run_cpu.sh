@@ -15,11 +15,15 @@ $E run --tasks niah_single niah_multikey niah_multivalue niah_multiquery vt cwe 
 $E run --tasks niah_single --lengths 2048 --prefill dense entropy critiprefill streaming \
     --prefill-budgets 64 128 256 512 --samples "$SAMPLES"
 $E run --tasks niah_single --lengths 4096 --prefill dense entropy critiprefill streaming \
-    --prefill-budgets 64 128 256 512 --samples "$SAMPLES"
+    --prefill-budgets 64 128 256 512 --samples 8
 
 # 3. Cache policies at B_d 64-1024 (dense prefill), question after (outside) and before (inside) the context.
 #    niah_multivalue: its answers (~40 tokens) outlast the latent cache's delay of 16 generated tokens.
 $E run --tasks niah_multivalue --lengths 2048 --placements outside inside --cache full latent snapkv adakv \
+    streamingllm --cache-budgets 64 128 1024 --samples "$SAMPLES"
+
+#    niah_single (answers of ~10 tokens, done before the latent cache evicts): the classic SnapKV setting.
+$E run --tasks niah_single --lengths 2048 --placements outside inside --cache full latent snapkv adakv \
     streamingllm --cache-budgets 64 128 1024 --samples "$SAMPLES"
 
 # 4. Every prefill x cache at matched budgets B_0 = B_d = 128.
@@ -31,7 +35,7 @@ $E run --tasks summarise --lengths 4096 --prefill dense entropy --cache full lat
     --cache-budgets 128 --samples 1
 
 # 6. Attention fidelity on the model's own q/k/v, and the paper's entropy figures.
-$E fidelity --length 4096 --contexts 1 --policies entropy critiprefill streaming \
+$E fidelity --length 4096 --contexts 2 --policies entropy critiprefill streaming \
     entropy:observation=critiprefill critiprefill:observation=paper --budgets 64 128 256 512
 $E entropy-maps --length 4096 --contexts 6
 

@@ -33,8 +33,9 @@ from transformers import (
 
 from flexentropy import EntropyConfig
 from flexentropy.cache import LatentKVCache
+from flexentropy.cache.attention import grouped_attention, kept_columns
 from flexentropy.integrations import hf
-from flexentropy.integrations.hf import enable, grouped_attention, kept_columns, prefill_density
+from flexentropy.integrations.hf import enable, prefill_density
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -155,7 +156,7 @@ def test_padded_batch_after_eviction_masks_padding(arch: str) -> None:
     ids, mask, _ = left_padded((PROMPT, 400))
     _, model = twins(arch, SMALL)
     cache = LatentKVCache(SMALL)
-    with mock.patch.object(hf, "kept_columns", wraps=kept_columns) as gathered:
+    with mock.patch("flexentropy.cache.base.kept_columns", wraps=kept_columns) as gathered:
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert all(torch.isfinite(step).all() for step in out.logits)

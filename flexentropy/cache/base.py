@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexentropy._checks import check_layer_idx
-from flexentropy.cache.attention import decode_attention
+from flexentropy.cache.attention import decode_attention, grouped_attention, kept_columns
 from flexentropy.cache.keep import gather_kv
 from flexentropy.cache.ragged import _segment_ids, ragged_decode_attention
 from flexentropy.policies.base import CachePolicy
@@ -300,8 +300,6 @@ class PolicyLayer(CacheLayerMixin):
         if self.ragged is None:
             if attention_mask is None:
                 return decode_attention(query, self.keys, self.values, scale=scale)
-            from flexentropy.integrations.hf import grouped_attention, kept_columns
-
             return grouped_attention(query, self.keys, self.values, kept_columns(attention_mask, self.positions()),
                                      scale)
         ragged_allowed = tail_allowed = None

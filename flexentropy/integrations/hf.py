@@ -255,34 +255,6 @@ def logical_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                      **kwargs)
 
 
-def kept_columns(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Columns of a logical mask ``[B, 1, L, T]`` at kept positions ``[B, Hkv, S]``: bool ``[B, Hkv, L, S]``."""
-    batch, kv_heads, stored = positions.shape
-    q_len = mask.shape[-2]
-    index = positions[:, :, None, :].expand(batch, kv_heads, q_len, stored)
-    return mask.expand(batch, kv_heads, q_len, mask.shape[-1]).gather(-1, index)
-
-
-def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
-    """SDPA with one mask per KV head, without expanding keys to the query heads.
-
-    Args:
-        query: ``[B, Hq, L, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]``.
-        allowed: bool ``[B, Hkv, L, S]``, True where the queries of KV head h's group attend.
-
-    Returns:
-        ``[B, Hq, L, Dv]``. Query head ``h`` uses KV head ``h // (Hq // Hkv)``.
-    """
-    batch, q_heads, q_len, dim = query.shape
-    kv_heads, stored = key.shape[1], key.shape[2]
-    group = q_heads // kv_heads
-    folded = query.reshape(batch, kv_heads, group * q_len, dim)
-    mask = allowed[:, :, None].expand(batch, kv_heads, group, q_len, stored).reshape(batch, kv_heads, -1, stored)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
-    return out.reshape(batch, q_heads, q_len, value.shape[-1])
-
-
 # --------------------------------------------------------------------------------------------------------------
 # attention
 

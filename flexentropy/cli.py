@@ -196,10 +196,27 @@ def cache_bytes(cache: Any) -> int:
 
 def generate_timed(model: Any, tokenizer: Any, prompt: Any, cache: Any, max_new_tokens: int, desc: str
                    ) -> tuple[list[int], float, float | None]:
-    """Greedy ``model.generate``; returns ``(new token ids, prefill seconds, decode seconds per token)``.
+    """Greedy ``model.generate`` of one prompt ``[1, N]``; returns ``(new token ids, prefill seconds, decode seconds
+    per token)`` (`generate_batch_timed` with a mask of ones)."""
+    rows, prefill, decode = generate_batch_timed(model, tokenizer, prompt, prompt.new_ones(prompt.shape), cache,
+                                                 max_new_tokens, desc)
+    return rows[0], prefill, decode
 
-    Times come from a streamer: the prompt is handed to it before the prefill, each new token when it is chosen.
-    One progress bar advances per attention layer during the prefill, then per generated token.
+
+def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask: Any, cache: Any,
+                         max_new_tokens: int, desc: str) -> tuple[list[list[int]], float, float | None]:
+    """Greedy ``model.generate`` of a (left-padded) batch; returns ``(new token ids of each row, prefill seconds,
+    decode seconds per step)``.
+
+    Args:
+        prompt: int64 ``[B, N]``, rows left-padded to the longest. attention_mask: ``[B, N]``, 1 on real tokens,
+            0 on padding.
+
+    Each row's ids are cut after its first end-of-sequence token (``model.generation_config.eos_token_id``): HF pads a
+    finished row while the others go on, and a row alone stops there, so each row gets the ids of its solo run (a
+    batch of one is never cut). Times come from a streamer: the prompt is handed to it before the prefill, each
+    step's tokens when they are chosen (one step for the whole batch). One progress bar advances per attention layer
+    during the prefill, then per generated step.
     """
     from tqdm.auto import tqdm
     from transformers.generation.streamers import BaseStreamer
@@ -228,17 +245,22 @@ def generate_timed(model: Any, tokenizer: Any, prompt: Any, cache: Any, max_new_
 
     handles = [m.register_forward_hook(layer_done) for m in layers]
     try:
-        out = model.generate(prompt, attention_mask=prompt.new_ones(prompt.shape), past_key_values=cache,
+        out = model.generate(prompt, attention_mask=attention_mask, past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     finally:
         for handle in handles:
             handle.remove()
         bar.close()
-    new = out[0, prompt.shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    rows = []
+    for row in out[:, prompt.shape[1]:].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos]
+        rows.append(row[:ends[0] + 1] if ends and len(out) > 1 else row)
     prefill = stamps[1] - stamps[0]
     decode = (stamps[-1] - stamps[1]) / (len(stamps) - 2) if len(stamps) > 2 else None
-    return new, prefill, decode
+    return rows, prefill, decode
 
 
 def warm_up(model: Any, prompt: Any, length: int) -> float:

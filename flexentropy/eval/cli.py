@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cache-budgets", nargs="+", type=int, default=[256], help="B_d values (entries per KV head)")
     r.add_argument("--samples", type=int, default=2, help="samples per run (the same first N of every run)")
     r.add_argument("--seed", type=int, default=0, help="draws the samples")
+    r.add_argument("--batch-size", type=int, default=1,
+                   help="samples per generate call (left-padded) in runs with the full cache; others run one by one")
     r.add_argument("--out", type=Path, default=DEFAULT_OUT / "runs", help="output root of the run folders")
     r.add_argument("--dry-run", action="store_true", help="list the runs and whether they are finished")
     _model_args(r)
@@ -114,6 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from flexentropy.eval.runner import run
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     specs = expand_grid(args.tasks, args.lengths, args.prefill, args.cache, prefill_budgets=args.prefill_budgets,
                         cache_budgets=args.cache_budgets, placements=args.placements, model=args.model_label,
                         seed=args.seed, config=geometry(args))
@@ -128,8 +132,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for spec in bar:
         bar.set_postfix_str(str(spec.relpath.relative_to(spec.model)))
-        outcome = run(spec, args.samples, args.out, load,
-                      progress=lambda it: tqdm(it, desc="samples", leave=False, file=sys.stderr))
+        outcome = run(spec, args.samples, args.out, load, batch_size=args.batch_size,
+                      progress=lambda it: tqdm(it, desc="batches" if args.batch_size > 1 else "samples", leave=False,
+                                               file=sys.stderr))
         counts[outcome.status] += 1
         if outcome.status == "ran":
             m = outcome.metrics

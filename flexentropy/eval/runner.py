@@ -1,5 +1,5 @@
 """Evaluation runs: one directory per (model, task, length, question placement, prefill policy, cache policy, budget),
-resumable sample by sample.
+resumable sample by sample (or batch by batch: `run`'s ``batch_size``).
 
 Layout of a run directory (`RunSpec.relpath` under the output root)::
 
@@ -32,6 +32,7 @@ from flexentropy.eval.resolve import (
     cache_has_budget,
     make_prefill_policy,
     make_run_cache,
+    parse_spec,
     prefill_has_budget,
     spec_label,
 )
@@ -213,41 +214,94 @@ def _layer_densities(model: Any) -> list[float | None]:
 
 def run_sample(loaded: Loaded, spec: RunSpec, index: int, cache: Any) -> dict[str, Any]:
     """Generate greedily for sample ``index`` of ``spec`` (policies already applied); its record."""
+    return run_batch(loaded, spec, [index], cache)[0]
+
+
+def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
+    """Generate greedily for samples ``indices`` of ``spec`` in one ``generate`` call (policies already applied);
+    their records, in the order of ``indices``.
+
+    The prompts are left-padded to the longest (``[B, N]`` ids and attention mask; pad: the tokenizer's pad id, else
+    its eos id); every row gets the tokens of its solo run (`flexentropy.integrations.hf` attends each row's real
+    tokens on their own). The samples must share ``max_new_tokens`` and ``min_new_tokens``, and ``cache`` must not
+    score entries (left-pad keys would count): see `batchable`. A record's ``prompt_tokens`` and ``new_token_ids`` are
+    its row's own; ``density`` and ``layer_density`` (mean over the batch's rows), ``prefill_s``,
+    ``decode_s_per_token`` (per generated step of the batch) and ``kv_mib`` (padding included) are the batch's.
+    """
     import torch
 
-    from flexentropy.cli import cache_bytes, generate_timed, warm_up
+    from flexentropy.cli import cache_bytes, generate_batch_timed, warm_up
     from flexentropy.integrations.hf import prefill_density
 
     model, tokenizer = loaded.model, loaded.tokenizer
-    sample = make_sample(spec.task, spec.length, index, tokenizer, spec.seed)
-    ids = sample_ids(tokenizer, sample, spec.placement)
-    prompt = torch.tensor([ids], device=model.device)
+    samples = [make_sample(spec.task, spec.length, index, tokenizer, spec.seed) for index in indices]
+    limits = {(s.max_new_tokens, s.min_new_tokens) for s in samples}
+    if len(limits) != 1:
+        raise ValueError(f"samples {indices} of a batch must share max_new_tokens and min_new_tokens, got {limits}")
+    rows = [sample_ids(tokenizer, sample, spec.placement) for sample in samples]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=model.device)
     if spec.prefill not in loaded.warmed:  # compile and warm caches before anything is timed
-        warm_up(model, prompt, min(len(ids), spec.config.dense_prefix + 2 * spec.config.segment_size))
+        first = prompt[:1, width - len(rows[0]):]
+        warm_up(model, first, min(len(rows[0]), spec.config.dense_prefix + 2 * spec.config.segment_size))
         loaded.warmed.add(spec.prefill)
+    sample = samples[0]
     generation = model.generation_config
     min_new, generation.min_new_tokens = generation.min_new_tokens, sample.min_new_tokens or None
+    desc = f"{spec.task} #{indices[0]}" + (f"-{indices[-1]}" if len(indices) > 1 else "")
     try:
-        new, prefill_s, decode_s = generate_timed(model, tokenizer, prompt, cache, sample.max_new_tokens,
-                                                  f"{spec.task} #{index}")
+        news, prefill_s, decode_s = generate_batch_timed(model, tokenizer, prompt, mask, cache, sample.max_new_tokens,
+                                                         desc)
     finally:
         generation.min_new_tokens = min_new
-    prediction = tokenizer.decode(new, skip_special_tokens=True)
-    score = string_match_all(prediction, sample.answers)
-    return {
-        "index": index,
-        "prompt_tokens": len(ids),
-        "prediction": prediction,
-        "answers": list(sample.answers),
-        "score": None if math.isnan(score) else score,
-        "new_token_ids": new,
-        "density": prefill_density(model),
-        "layer_density": _layer_densities(model),
-        "prefill_s": prefill_s,
-        "decode_s_per_token": decode_s,
-        "kv_mib": cache_bytes(cache) / 2**20,
-        "meta": sample.meta,
-    }
+    density, layer_density, kv_mib = prefill_density(model), _layer_densities(model), cache_bytes(cache) / 2**20
+    records = []
+    for index, sample, ids, new in zip(indices, samples, rows, news, strict=True):
+        prediction = tokenizer.decode(new, skip_special_tokens=True)
+        score = string_match_all(prediction, sample.answers)
+        records.append({
+            "index": index,
+            "prompt_tokens": len(ids),
+            "prediction": prediction,
+            "answers": list(sample.answers),
+            "score": None if math.isnan(score) else score,
+            "new_token_ids": new,
+            "density": density,
+            "layer_density": layer_density,
+            "prefill_s": prefill_s,
+            "decode_s_per_token": decode_s,
+            "kv_mib": kv_mib,
+            "meta": sample.meta,
+        })
+    return records
+
+
+def batchable(spec: RunSpec) -> bool:
+    """Whether samples of ``spec`` may share a batch: only under the ``full`` cache policy, which never evicts (the
+    eviction scores of the others would count left-pad keys)."""
+    return parse_spec(spec.cache)[0] == "full"
+
+
+def plan_batches(spec: RunSpec, indices: list[int], batch_size: int, tokenizer: Any) -> list[list[int]]:
+    """``indices`` cut into batches of at most ``batch_size`` consecutive indices sharing ``max_new_tokens`` and
+    ``min_new_tokens`` (one index each unless `batchable`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size == 1 or not batchable(spec):
+        return [[index] for index in indices]
+    batches: list[list[int]] = []
+    last = None
+    for index in indices:
+        sample = make_sample(spec.task, spec.length, index, tokenizer, spec.seed)
+        limits = (sample.max_new_tokens, sample.min_new_tokens)
+        if batches and limits == last and len(batches[-1]) < batch_size:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+        last = limits
+    return batches
 
 
 @dataclass
@@ -261,15 +315,21 @@ class Outcome:
 
 
 def run(spec: RunSpec, samples: int, out: Path, loader: Callable[[], Loaded],
-        progress: Callable[[Iterable[int]], Iterator[int]] = iter) -> Outcome:
+        progress: Callable[[Iterable[list[int]]], Iterator[list[int]]] = iter, batch_size: int = 1) -> Outcome:
     """Run (or resume, or skip) one `RunSpec` for its first ``samples`` samples under ``out``.
 
     Args:
         loader: returns the `Loaded` model; called only when a sample is missing.
-        progress: wraps the iterable of missing sample indices (e.g. a tqdm bar).
+        progress: wraps the iterable of batches of missing sample indices (e.g. a tqdm bar); one index each unless
+            batched.
+        batch_size: samples generated together (`run_batch`) where the cache policy allows it (`batchable`);
+            records are appended once their batch is done. With more than 1, every record also says how many samples
+            its batch held (``"batch": B``; timings, density and cache size are then the batch's, see `run_batch`).
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
     run_dir = out / spec.relpath
     _check_config(run_dir, spec)
     if is_finished(run_dir, samples):
@@ -281,13 +341,17 @@ def run(spec: RunSpec, samples: int, out: Path, loader: Callable[[], Loaded],
         loaded = loader()
         policy = make_prefill_policy(spec.prefill, spec.config, spec.prefill_budget)
         apply_prefill(loaded.model, policy)
+        batches = plan_batches(spec, missing, batch_size, loaded.tokenizer)
         with (run_dir / PREDICTIONS_FILE).open("a", encoding="utf-8") as f:
-            for index in progress(missing):
+            for batch in progress(batches):
                 cache = make_run_cache(loaded.model, spec.cache, spec.cache_budget)
-                record = run_sample(loaded, spec, index, cache)
-                f.write(json.dumps(record) + "\n")
+                records = run_batch(loaded, spec, batch, cache)
+                for record in records:
+                    if batch_size > 1:
+                        record["batch"] = len(batch)
+                    f.write(json.dumps(record) + "\n")
+                    done[record["index"]] = record
                 f.flush()
-                done[index] = record
     metrics = aggregate([done[i] for i in range(samples)])
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2), encoding="utf-8")
     return Outcome(spec, "ran", metrics, time.perf_counter() - start)

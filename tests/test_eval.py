@@ -221,13 +221,16 @@ def uneven_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "sample_ids", cut)
 
 
-@pytest.mark.parametrize(("prefill", "budget"), [("dense", None), ("entropy", 64)])
+@pytest.mark.parametrize(("prefill", "budget", "cache", "cache_budget"), [
+    ("dense", None, "full", None), ("entropy", 64, "full", None),
+    ("dense", None, "snapkv", 64), ("entropy", 64, "latent", 64),  # evicting caches: padding is neither scored nor kept
+])
 def test_batched_run_equals_solo_runs(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch,
-                                      prefill: str, budget: int | None) -> None:
-    """--batch-size 3 on a full-cache run: every record's tokens, prediction and score are those of batch 1, also
-    where a row stops at an end-of-sequence token before the others (its ids are cut there, as alone)."""
+                                      prefill: str, budget: int | None, cache: str, cache_budget: int | None) -> None:
+    """--batch-size 3: every record's tokens, prediction and score are those of batch 1, also where a row stops at
+    an end-of-sequence token before the others (its ids are cut there, as alone)."""
     uneven_prompts(monkeypatch)
-    spec = RunSpec("niah_single", 1100, prefill, prefill_budget=budget)
+    spec = RunSpec("niah_single", 1100, prefill, cache, prefill_budget=budget, cache_budget=cache_budget)
     run(spec, 2, tmp_path / "probe", lambda: loaded)
     solo = records_of(tmp_path / "probe", spec)
     # an end-of-sequence token that sample 0 emits after its first two tokens and sample 1 never does
@@ -250,8 +253,8 @@ def test_batched_run_equals_solo_runs(tmp_path: Path, loaded: Loaded, monkeypatc
     assert (solo[0]["density"] < 1.0) == (prefill == "entropy")
 
 
-def test_only_full_cache_runs_are_batched(tmp_path: Path, loaded: Loaded) -> None:
-    spec = RunSpec("niah_single", 1024, cache="snapkv", cache_budget=64)
+def test_bounded_cache_runs_one_by_one(tmp_path: Path, loaded: Loaded) -> None:
+    spec = RunSpec("niah_single", 1024, cache="bounded:anchors=32,recent=64")
     assert plan_batches(spec, [0, 1, 2], 3, loaded.tokenizer) == [[0], [1], [2]]
     run(spec, 3, tmp_path, lambda: loaded, batch_size=3)
     assert [(r["index"], r["batch"]) for r in records_of(tmp_path, spec)] == [(0, 1), (1, 1), (2, 1)]

@@ -36,6 +36,7 @@ from flexentropy.cache import LatentKVCache
 from flexentropy.cache.attention import grouped_attention, kept_columns
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
+from flexentropy.policies import make_cache
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -148,6 +149,45 @@ def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
     assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))
     for row, solo in enumerate(solos):
         assert torch.equal(batch[row], greedy(model, solo)[0]), f"small budgets, row {row}"
+
+
+PADDED_CACHES = {  # every cache policy evicting well inside the prompt (a 300-token row has 340 padding tokens)
+    "latent": lambda model: LatentKVCache(SMALL),
+    "snapkv": lambda model: make_cache("snapkv", budget=160, window=16),
+    "adakv": lambda model: make_cache("adakv", budget=160, window=16),
+    "pyramidkv": lambda model: make_cache("pyramidkv", model=model, budget=160, window=16),
+    "h2o": lambda model: make_cache("h2o", budget=160),
+    "streamingllm": lambda model: make_cache("streamingllm", budget=160),
+    "infokv": lambda model: make_cache("infokv", model=model, budget=160, window=16, compress_every=64),
+}  # not `bounded`: its recent window is chunk-aligned on the batch's positions (its docstring)
+
+
+@pytest.mark.parametrize("name", PADDED_CACHES)
+def test_left_padded_batch_with_eviction_equals_solo_runs(name: str) -> None:
+    """Padding entries are never scored, never sinks and rank below real entries: each row keeps (and generates)
+    what it would alone."""
+    ids, mask, solos = left_padded((PROMPT, 300))
+    _, model = twins("llama", SMALL)
+    cache = PADDED_CACHES[name](model)
+    batch = greedy(model, ids, new=12, attention_mask=mask, past_key_values=cache)
+    assert cache.stored_length(1) < cache.get_seq_length(1)
+    for row, solo in enumerate(solos):
+        solo_cache = PADDED_CACHES[name](model)
+        alone = greedy(model, solo, new=12, past_key_values=solo_cache)
+        assert torch.equal(batch[row], alone[0]), f"{name}, row {row}"
+        if not cache.is_ragged(1):  # the same entries kept, counted from the row's first real token
+            assert torch.equal(cache.layers[1].row_positions()[row], solo_cache.layers[1].row_positions()[0])
+
+
+def test_observe_padding_reads_left_padding_only() -> None:
+    cache = make_cache("snapkv", budget=160, window=16)
+    real = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    cache.observe_padding(real, 0)
+    assert cache.layers[0].padding.tolist() == [2, 0]
+    cache.observe_padding(torch.tensor([[True, False, True, True]]), 1)   # a hole: not left padding, ignored
+    assert cache.layers[1].padding is None
+    with pytest.raises(ValueError, match="bool"):
+        cache.observe_padding(real.long(), 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

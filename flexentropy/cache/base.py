@@ -105,6 +105,7 @@ class PolicyLayer(CacheLayerMixin):
         self.previous_generated: int | None = None
         self.evictions = 0
         self.signals_until = 0
+        self.padding: torch.Tensor | None = None  # [B] int64 left-padding tokens of each row's prompt, or None
 
     # -- views -------------------------------------------------------------------------------------------------
     @property
@@ -133,6 +134,16 @@ class PolicyLayer(CacheLayerMixin):
         appended = torch.arange(self._evicted_at, self.seen, device=self.keys.device)
         appended = appended.expand(*self.keys.shape[:2], self.seen - self._evicted_at)
         return appended if self._kept is None else torch.cat([self._kept, appended], dim=-1)
+
+    def row_positions(self) -> torch.Tensor:
+        """``[B, Hkv, S]`` `positions` counted from each row's first real token: a left-padded row's padding entries
+        are negative (equal to `positions` when no padding was handed over)."""
+        positions = self.positions()
+        return positions if self.padding is None else positions - self.padding[:, None, None]
+
+    def real_entries(self) -> torch.Tensor | None:
+        """``[B, Hkv, S]`` bool, False at the stored entries of left-padding tokens; None when there are none."""
+        return None if self.padding is None else self.row_positions() >= 0
 
     def key_positions(self) -> torch.Tensor:
         """Positions for scoring: ``[S]`` before any decision (every head holds ``0 .. S-1``), else ``[B, Hkv, S]``."""
@@ -336,7 +347,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows ``beam_idx`` (beam search)."""
-        for name in ("keys", "values", "_kept", "window"):
+        for name in ("keys", "values", "_kept", "window", "padding"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
@@ -436,6 +447,22 @@ class PolicyCache(Cache):
         if layer.is_initialized and query_states.device != layer.keys.device:
             raise ValueError(f"{where} is on {query_states.device}, expected {layer.keys.device} like the keys")
         layer.observe(query_states)
+
+    def observe_padding(self, real_tokens: torch.Tensor, layer_idx: int) -> None:
+        """Hand over which prompt tokens are real, ``real_tokens [B, N]`` bool (before `observe_queries`).
+
+        A left-padded row's padding entries are then never attended by the scores, rank below every real entry
+        when entries are evicted, and are not sinks, so each row keeps what it would keep alone. Only left padding
+        (each row's real tokens last and contiguous, as ``generate`` pads) is read; other patterns are ignored.
+        """
+        if not isinstance(real_tokens, torch.Tensor) or real_tokens.dtype != torch.bool or real_tokens.dim() != 2:
+            got = (f"{real_tokens.dtype} {list(real_tokens.shape)}" if isinstance(real_tokens, torch.Tensor)
+                   else type(real_tokens).__name__)
+            raise ValueError(f"observe_padding expects a bool [B, N] mask of real tokens, got {got}")
+        layer = self._layer(layer_idx)
+        pads = (~real_tokens).sum(dim=-1)
+        left = torch.arange(real_tokens.shape[-1], device=real_tokens.device) >= pads[:, None]
+        layer.padding = pads if bool(pads.any()) and torch.equal(left, real_tokens) else None
 
     @property
     def wants_signals(self) -> bool:

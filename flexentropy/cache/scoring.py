@@ -34,6 +34,7 @@ def window_attention_scores(
     key_positions: torch.Tensor,
     kind: Literal["softmax", "raw"] = "softmax",
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Importance of every cached key per KV head, from a window of post-RoPE queries (paper Alg. 4 step 2).
 
@@ -51,6 +52,8 @@ def window_attention_scores(
             ``"raw"`` (paper Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of
             the unscaled logits ``q.k`` over the same pairs, a key a query does not see contributing 0.
         scale: softmax temperature, default ``1 / sqrt(D)``; ignored by ``"raw"``.
+        key_mask: optional bool ``[B, Hkv, T]``: False hides a key from every query (e.g. a left-padding token), as
+            if it were not cached (score 0).
 
     Returns:
         ``[B, Hkv, T]`` scores, float32 (float64 when the inputs are float64): higher is more important.
@@ -75,6 +78,8 @@ def window_attention_scores(
     logits = rearrange(q @ keys.to(dtype).transpose(-1, -2), "b h (g w) t -> b h g w t", g=group)
     # [W, T] or [B, Hkv, W, T], then a singleton axis for the group's query heads.
     visible = (key_positions.unsqueeze(-2) <= query_positions.unsqueeze(-1)).unsqueeze(-3)
+    if key_mask is not None:
+        visible = visible & key_mask[:, :, None, None, :]
     if kind == "raw":
         return logits.masked_fill_(~visible, 0.0).sum(dim=(2, 3))
     logits.mul_(dim**-0.5 if scale is None else scale).masked_fill_(~visible, float("-inf"))

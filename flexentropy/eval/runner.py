@@ -278,10 +278,15 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     return records
 
 
+BATCH_ALONE = ("bounded",)
+"""Cache policies whose samples run one by one: `bounded` aligns its recent window on the batch's positions, so a
+padded row could keep another window than alone. The others hand their padding to the cache, which neither scores nor
+keeps it (`PolicyCache.observe_padding`): each row keeps what it would alone."""
+
+
 def batchable(spec: RunSpec) -> bool:
-    """Whether samples of ``spec`` may share a batch: only under the ``full`` cache policy, which never evicts (the
-    eviction scores of the others would count left-pad keys)."""
-    return parse_spec(spec.cache)[0] == "full"
+    """Whether samples of ``spec`` may share a left-padded batch (every cache policy but `BATCH_ALONE`)."""
+    return parse_spec(spec.cache)[0] not in BATCH_ALONE
 
 
 def plan_batches(spec: RunSpec, indices: list[int], batch_size: int, tokenizer: Any) -> list[list[int]]:

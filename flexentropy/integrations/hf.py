@@ -228,8 +228,13 @@ def prefill_density(model: nn.Module) -> float | None:
 
 
 def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc)."""
-    return args, {**kwargs, CACHE_KWARG: kwargs.get("past_key_values")}
+    """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc); before
+    a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its ``update``)."""
+    cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+    if (isinstance(cache, PolicyCache) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            and mask.dim() == 4 and mask.shape[-2] == mask.shape[-1] and cache.stored_length(module.layer_idx) == 0):
+        cache.observe_padding(mask[:, 0].diagonal(dim1=-2, dim2=-1), module.layer_idx)
+    return args, {**kwargs, CACHE_KWARG: cache}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -171,11 +171,16 @@ class CachePolicy:
         """Entries kept whatever their score: an int ``n`` (the last ``n``) or a bool mask ``[B, Hkv, S]``."""
         return 0
 
+    def ranked_scores(self, layer: PolicyLayer) -> torch.Tensor:
+        """`scores` with left-padding entries at ``-inf`` (kept only when nothing real is left), ``[B, Hkv, S]``."""
+        scores, real = self.scores(layer), layer.real_entries()
+        return scores if real is None else scores.masked_fill(~real, float("-inf"))
+
     def select(self, layer: PolicyLayer, target: int, incoming: int) -> torch.Tensor:
         """Indices ``[B, Hkv, min(target, S)]`` of the kept entries, ascending (same count in every head)."""
         from flexentropy.cache.keep import keep_indices
 
-        return keep_indices(self.scores(layer), target, self.forced(layer, incoming))
+        return keep_indices(self.ranked_scores(layer), target, self.forced(layer, incoming))
 
     def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
         """Ragged policies: bool keep mask ``[B, Hkv, S]`` with per-head counts."""

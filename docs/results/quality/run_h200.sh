@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=docs/results/quality_h200
 E="python3 -m flexentropy.eval"
-# Runs with the full cache generate 8 samples per batch (left-padded; the same tokens as one by one in the CPU
-# tests); the others go one by one (their eviction scores would count the padding).
+# 8 samples per left-padded batch (the same tokens as one by one in the CPU tests; caches neither score nor keep
+# the padding); `bounded` runs would go one by one.
 R="$E run --device cuda --out $OUT/runs --batch-size 8"
 SAMPLES=${SAMPLES:-24}
 

@@ -60,4 +60,4 @@ class AdaKV(SnapKV):
         check_float(type(self).__name__, "safeguard", self.safeguard, 0.0, 1.0)
 
     def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
-        return adaptive_keep(self.scores(layer), target, self.forced(layer, 0), self.safeguard)
+        return adaptive_keep(self.ranked_scores(layer), target, self.forced(layer, 0), self.safeguard)

@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BoundedCache(CachePolicy):
     """See the module docstring. Knobs: ``sinks`` 4, ``anchors`` 256, ``recent`` 256, ``chunk`` 64,
-    ``window`` 32 (queries scoring the anchors), ``alpha`` 0.9, ``tau`` 1.0, ``top_k`` 256 (InfoKV's)."""
+    ``window`` 32 (queries scoring the anchors), ``alpha`` 0.9, ``tau`` 1.0, ``top_k`` 256 (InfoKV's).
+
+    Left-padded batches: padding is never scored or a sink, but the recent window is chunk-aligned on the batch's
+    positions, so a padded row may keep a different window than alone."""
 
     name = "bounded"
     paper = "second seed: R-SWA container + InfoKV anchors at chunk granularity (cf. StreamingLLM, LaCache, R-KV)"
@@ -97,9 +100,9 @@ class BoundedCache(CachePolicy):
         return fixed + min(self.anchors, layer.stored - fixed)
 
     def forced(self, layer: PolicyLayer, incoming: int) -> torch.Tensor:
-        positions = layer.positions()
+        positions, row = layer.positions(), layer.row_positions()  # sinks: a row's first real tokens
         start = min(self.window_start(layer.seen + incoming), layer.seen)
-        return (positions < self.sinks) | (positions >= start)
+        return ((row >= 0) & (row < self.sinks)) | (positions >= start)
 
     def scores(self, layer: PolicyLayer) -> torch.Tensor:
         return fused_scores(layer, self.alpha)

@@ -17,7 +17,7 @@ def window_scores(layer: PolicyLayer, kind: str = "softmax", pool: int = 1) -> t
     mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
     then average pooling of width ``pool``."""
     scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),
-                                     key_positions=layer.key_positions(), kind=kind)
+                                     key_positions=layer.key_positions(), kind=kind, key_mask=layer.real_entries())
     return pool_scores(scores, pool)
 
 
@@ -38,7 +38,7 @@ def accumulate_attention(layer: PolicyLayer, queries: torch.Tensor, first_positi
     after it). Queries are taken at most ``chunk`` at a time, fewer when ``B * Hq * chunk * S`` would exceed
     `MAX_SCORE_ELEMENTS`: memory is bounded, never ``L x S`` for a whole prompt (the compute is a dense ``Q K^T``)."""
     group = queries.shape[1] // layer.keys.shape[1]
-    key_positions = layer.key_positions()
+    key_positions, key_mask = layer.key_positions(), layer.real_entries()
     per_row = queries.shape[0] * queries.shape[1] * max(layer.keys.shape[2], 1)
     chunk = max(1, min(chunk, MAX_SCORE_ELEMENTS // per_row))
     total = torch.zeros(layer.keys.shape[:3], dtype=torch.promote_types(queries.dtype, torch.float32),
@@ -47,6 +47,7 @@ def accumulate_attention(layer: PolicyLayer, queries: torch.Tensor, first_positi
         part = queries[:, :, start : start + chunk]
         positions = torch.arange(first_position + start, first_position + start + part.shape[2],
                                  device=queries.device)
-        mean = window_attention_scores(part, layer.keys, query_positions=positions, key_positions=key_positions)
+        mean = window_attention_scores(part, layer.keys, query_positions=positions, key_positions=key_positions,
+                                       key_mask=key_mask)
         total += mean * (group * part.shape[2])
     return total

@@ -29,6 +29,7 @@ tokens" of long decoding). The window's own entries are always kept.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,9 @@ def fused_scores(layer: PolicyLayer, alpha: float, pool: int = 1) -> torch.Tenso
     if torch.isnan(signal).any():
         raise RuntimeError(f"{layer.owner} layer {layer.layer_idx} ({layer.policy.name}) misses the signals of "
                            f"some stored tokens: attach the model (make_cache(name, model=model))")
-    return alpha * attention + (1.0 - alpha) * signal.to(attention.dtype).softmax(dim=-1)
+    real = layer.real_entries()
+    signal = signal.to(attention.dtype) if real is None else signal.to(attention.dtype).masked_fill(~real, -math.inf)
+    return alpha * attention + (1.0 - alpha) * signal.softmax(dim=-1)
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,15 @@ class StreamingLLM(CachePolicy):
         return layer.positions().float()  # the most recent first
 
     def forced(self, layer: PolicyLayer, incoming: int) -> torch.Tensor:
-        return layer.positions() < self.sinks
+        row = layer.row_positions()  # a left-padded row's sinks are its first real tokens
+        return (row >= 0) & (row < self.sinks)
 
     def select(self, layer: PolicyLayer, target: int, incoming: int) -> torch.Tensor:
         """The same as ``keep_indices(scores, target, forced)`` without sorting: every head holds the sinks first
-        (never evicted) and then its most recent tokens, so the kept slots are known."""
+        (never evicted) and then its most recent tokens, so the kept slots are known (with left padding still
+        stored, the general rule)."""
+        if layer.real_entries() is not None:
+            return super().select(layer, target, incoming)
         sinks, stored = min(self.sinks, layer.seen), layer.stored
         device = layer.keys.device
         slots = torch.cat([torch.arange(sinks, device=device), torch.arange(stored - (target - sinks), stored,

@@ -94,7 +94,11 @@ def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     assert torch.equal(greedy(model, ids), expected)
     cache = LatentKVCache(COVERING)
     assert torch.equal(greedy(model, ids, past_key_values=cache), expected)
-    assert cache.stored_length(0) == cache.get_seq_length(0) == PROMPT + 7
+    for module in hf.attention_modules(model):  # sliding-window layers keep their window, as transformers' cache
+        window = getattr(module, "sliding_window", None)
+        stored = cache.stored_length(module.layer_idx)
+        assert stored == (PROMPT + 7 if window is None else window), (module.layer_idx, stored)
+        assert cache.get_seq_length(module.layer_idx) == PROMPT + 7
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -188,6 +192,19 @@ def test_observe_padding_reads_left_padding_only() -> None:
     assert cache.layers[1].padding is None
     with pytest.raises(ValueError, match="bool"):
         cache.observe_padding(real.long(), 0)
+
+
+def test_observe_sliding_keeps_the_window() -> None:
+    cache = make_cache("full")
+    cache.observe_sliding(8, 0)
+    keys = torch.randn(1, 2, 20, 4)
+    assert cache.update(keys, keys, 0)[0].shape[2] == 20         # the prompt attends all its keys
+    assert cache.get_mask_sizes(1, 0) == (8, 13) and cache.is_sliding == [True]
+    stored, _ = cache.update(keys[:, :, :1], keys[:, :, :1], 0)  # the last 7, then the new token
+    assert torch.equal(stored[:, :, :7], keys[:, :, -7:]) and stored.shape[2] == 8
+    assert cache.kept_positions(0)[0, 0].tolist() == list(range(13, 21)) and cache.get_seq_length(0) == 21
+    with pytest.raises(ValueError, match="window"):
+        cache.observe_sliding(0, 1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -75,7 +75,6 @@ class PolicyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False  # an eviction cannot be rolled back
-    is_sliding = False
 
     def __init__(self, policy: CachePolicy, layer_idx: int, owner: str = "PolicyCache",
                  num_layers: int | None = None) -> None:
@@ -106,8 +105,14 @@ class PolicyLayer(CacheLayerMixin):
         self.evictions = 0
         self.signals_until = 0
         self.padding: torch.Tensor | None = None  # [B] int64 left-padding tokens of each row's prompt, or None
+        self.sliding_window: int | None = None  # a sliding-window layer keeps its last window - 1 tokens, no policy
 
     # -- views -------------------------------------------------------------------------------------------------
+    @property
+    def is_sliding(self) -> bool:
+        """Whether the layer attends a sliding window (`PolicyCache.observe_sliding`): HF sizes its masks by it."""
+        return self.sliding_window is not None
+
     @property
     def stored(self) -> int:
         """Entries held per KV head (a ragged layer: its longest head)."""
@@ -224,9 +229,12 @@ class PolicyLayer(CacheLayerMixin):
                     f"predictive distribution, which were not handed over: build the cache with the model "
                     f"(make_cache(name, model=model) or policy.build(model)), which attaches forward hooks"
                 )
-        target = policy.before_append(self, q_len)
-        if target is not None:
-            self._decide(target, q_len)
+        if self.sliding_window is not None:
+            self._keep_last(self.sliding_window - 1)
+        else:
+            target = policy.before_append(self, q_len)
+            if target is not None:
+                self._decide(target, q_len)
         self.previous_generated = self.generated if self.prompt_length is not None else None
         if self.prompt_length is None:
             self.prompt_length = q_len
@@ -249,7 +257,7 @@ class PolicyLayer(CacheLayerMixin):
         pending, self._pending = self._pending, []
         for queries, first in pending:
             policy.on_queries(self, queries, first)
-        if policy.needs_signals and self.signals_until < self.seen:
+        if (policy.needs_signals and self.signals_until < self.seen) or self.sliding_window is not None:
             return
         target = policy.when_settled(self)
         if target is not None:
@@ -276,6 +284,16 @@ class PolicyLayer(CacheLayerMixin):
             self.stats = {name: stat.gather(-1, indices) for name, stat in self.stats.items()}
         self._evicted_at = self.seen
         self.evictions += 1
+
+    def _keep_last(self, count: int) -> None:
+        """Keep the last ``count`` stored entries (a sliding-window layer, before it appends: as HF's
+        ``DynamicSlidingWindowLayer``, attention then reads the window's ``count`` entries plus the new tokens)."""
+        if self.stored <= count:
+            return
+        self._kept = self.positions()[..., -count:]
+        self.keys, self.values = self.keys[..., -count:, :], self.values[..., -count:, :]
+        self.stats = {name: stat[..., -count:] for name, stat in self.stats.items()}
+        self._evicted_at = self.seen
 
     def _make_ragged(self, keep: torch.Tensor) -> None:
         """Store the entries of the bool mask ``keep [B, Hkv, S]`` flat, without padding (fresh, compact tensors)."""
@@ -333,7 +351,8 @@ class PolicyLayer(CacheLayerMixin):
         """
         stored = self.stored
         if self.is_initialized:
-            target = self.policy.before_append(self, query_length)
+            target = (self.sliding_window - 1 if self.sliding_window is not None
+                      else self.policy.before_append(self, query_length))
             if target is not None:
                 stored = min(stored, target)
         return stored + query_length, self.seen - stored
@@ -463,6 +482,14 @@ class PolicyCache(Cache):
         pads = (~real_tokens).sum(dim=-1)
         left = torch.arange(real_tokens.shape[-1], device=real_tokens.device) >= pads[:, None]
         layer.padding = pads if bool(pads.any()) and torch.equal(left, real_tokens) else None
+
+    def observe_sliding(self, window: int, layer_idx: int) -> None:
+        """Mark layer ``layer_idx`` as a sliding-window layer of ``window`` tokens (before its first ``update``): it
+        then keeps only its last ``window - 1`` tokens, as transformers' own cache does, and the policy does not
+        apply to it (flexentropy's HF attention calls this for Gemma3's local layers and the like)."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"observe_sliding expects a window of >= 1 tokens, got {window!r}")
+        self._layer(layer_idx).sliding_window = window
 
     @property
     def wants_signals(self) -> bool:

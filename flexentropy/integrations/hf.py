@@ -229,11 +229,15 @@ def prefill_density(model: nn.Module) -> float | None:
 
 def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc); before
-    a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its ``update``)."""
+    a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its ``update``) and, for a
+    sliding-window layer, its window."""
     cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
-    if (isinstance(cache, PolicyCache) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and mask.dim() == 4 and mask.shape[-2] == mask.shape[-1] and cache.stored_length(module.layer_idx) == 0):
-        cache.observe_padding(mask[:, 0].diagonal(dim1=-2, dim2=-1), module.layer_idx)
+    if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
+                and mask.shape[-2] == mask.shape[-1]:
+            cache.observe_padding(mask[:, 0].diagonal(dim1=-2, dim2=-1), module.layer_idx)
+        if getattr(module, "sliding_window", None):
+            cache.observe_sliding(int(module.sliding_window), module.layer_idx)
     return args, {**kwargs, CACHE_KWARG: cache}
 
 

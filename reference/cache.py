@@ -38,8 +38,11 @@ def window_attention_scores(
     key_positions: torch.Tensor,
     kind: str = "softmax",
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores ``[B, Hkv, T]`` float64 of ``keys [B, Hkv, T, D]`` under ``window_q [B, Hq, W, D]`` (SPEC 2).
+
+    ``key_mask`` (bool ``[B, Hkv, T]``, optional): a key where it is False is seen by no query (left padding).
 
     ``"softmax"``: for every KV head ``h``, every query head ``hq`` of its group and every window query ``i``, the
     softmax over the keys ``i`` sees of ``scale * q.k`` (default ``scale = 1/sqrt(D)``), accumulated and divided
@@ -54,13 +57,14 @@ def window_attention_scores(
     k = keys.to(torch.float64)
     q_pos = query_positions.tolist()
     k_pos = _per_head_positions(key_positions, batch, kv_heads, length)
+    allowed = (torch.ones(batch, kv_heads, length, dtype=torch.bool) if key_mask is None else key_mask).tolist()
     scores = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
     for b in range(batch):
         for h in range(kv_heads):
             for g in range(group):
                 hq = h * group + g
                 for i in range(window):
-                    seen = [j for j in range(length) if k_pos[b][h][j] <= q_pos[i]]
+                    seen = [j for j in range(length) if k_pos[b][h][j] <= q_pos[i] and allowed[b][h][j]]
                     if not seen:
                         continue  # every key this query saw was evicted: it adds nothing
                     logits = {j: float(torch.dot(q[b, hq, i], k[b, h, j])) for j in seen}  # S = Q_W K^T, row i

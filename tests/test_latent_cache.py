@@ -67,8 +67,9 @@ def _dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
 @settings(max_examples=40, deadline=None)
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]),
        window=st.integers(1, 5), extra=st.integers(0, 20), dim=st.sampled_from([1, 4, 8]),
-       kind=st.sampled_from(["softmax", "raw"]), evicted=st.booleans(), seed=st.integers(0, 2**16))
-def test_window_scores_match_reference(batch, kv_heads, group, window, extra, dim, kind, evicted, seed):
+       kind=st.sampled_from(["softmax", "raw"]), evicted=st.booleans(), masked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_window_scores_match_reference(batch, kv_heads, group, window, extra, dim, kind, evicted, masked, seed):
     gen = torch.Generator().manual_seed(seed)
     length = window + extra
     q = _randn(gen, batch, kv_heads * group, window, dim)
@@ -81,11 +82,15 @@ def test_window_scores_match_reference(batch, kv_heads, group, window, extra, di
     else:
         key_positions = torch.arange(length)
         query_positions = torch.arange(length - window, length)
-    got = window_attention_scores(q, k, query_positions=query_positions, key_positions=key_positions, kind=kind)
-    want = ref.window_attention_scores(q, k, query_positions, key_positions, kind)
+    key_mask = torch.rand(batch, kv_heads, length, generator=gen) > 0.4 if masked else None  # e.g. left padding
+    got = window_attention_scores(q, k, query_positions=query_positions, key_positions=key_positions, kind=kind,
+                                  key_mask=key_mask)
+    want = ref.window_attention_scores(q, k, query_positions, key_positions, kind, key_mask=key_mask)
     assert got.shape == (batch, kv_heads, length) and got.dtype == F64
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    if kind == "softmax":  # mean of probability rows: the scores of a head sum to 1
+    if masked:
+        assert (got[~key_mask] == 0).all()  # a hidden key gets nothing
+    elif kind == "softmax":  # mean of probability rows: the scores of a head sum to 1
         torch.testing.assert_close(got.sum(-1), torch.ones(batch, kv_heads, dtype=F64))
 
 

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--samples", type=int, default=2, help="samples per run (the same first N of every run)")
     r.add_argument("--seed", type=int, default=0, help="draws the samples")
     r.add_argument("--batch-size", type=int, default=1,
-                   help="samples per generate call (left-padded) in runs with the full cache; others run one by one")
+                   help="samples per generate call (left-padded); runs under the `bounded` cache go one by one")
     r.add_argument("--out", type=Path, default=DEFAULT_OUT / "runs", help="output root of the run folders")
     r.add_argument("--dry-run", action="store_true", help="list the runs and whether they are finished")
     _model_args(r)

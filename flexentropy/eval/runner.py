@@ -223,8 +223,8 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
 
     The prompts are left-padded to the longest (``[B, N]`` ids and attention mask; pad: the tokenizer's pad id, else
     its eos id); every row gets the tokens of its solo run (`flexentropy.integrations.hf` attends each row's real
-    tokens on their own). The samples must share ``max_new_tokens`` and ``min_new_tokens``, and ``cache`` must not
-    score entries (left-pad keys would count): see `batchable`. A record's ``prompt_tokens`` and ``new_token_ids`` are
+    tokens on their own, and a cache neither scores nor keeps the padding). The samples must share ``max_new_tokens``
+    and ``min_new_tokens``; ``cache`` must be `batchable`. A record's ``prompt_tokens`` and ``new_token_ids`` are
     its row's own; ``density`` and ``layer_density`` (mean over the batch's rows), ``prefill_s``,
     ``decode_s_per_token`` (per generated step of the batch) and ``kv_mib`` (padding included) are the batch's.
     """
@@ -292,8 +292,6 @@ def batchable(spec: RunSpec) -> bool:
 def plan_batches(spec: RunSpec, indices: list[int], batch_size: int, tokenizer: Any) -> list[list[int]]:
     """``indices`` cut into batches of at most ``batch_size`` consecutive indices sharing ``max_new_tokens`` and
     ``min_new_tokens`` (one index each unless `batchable`)."""
-    if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
     if batch_size == 1 or not batchable(spec):
         return [[index] for index in indices]
     batches: list[list[int]] = []

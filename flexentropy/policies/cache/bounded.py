@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_float, check_int
-from flexentropy.policies.cache.infokv import entropy_signal, fused_scores
+from flexentropy.policies.base import CachePolicy, check_int
+from flexentropy.policies.cache.infokv import InfoScoring, fused_scores
 
 if TYPE_CHECKING:
     from flexentropy.cache.base import PolicyLayer
 
 
 @dataclass(frozen=True)
-class BoundedCache(CachePolicy):
+class BoundedCache(InfoScoring, CachePolicy):
     """See the module docstring. Knobs: ``sinks`` 4, ``anchors`` 256, ``recent`` 256, ``chunk`` 64,
     ``window`` 32 (queries scoring the anchors), ``alpha`` 0.9, ``tau`` 1.0, ``top_k`` 256 (InfoKV's).
 
@@ -43,7 +43,6 @@ class BoundedCache(CachePolicy):
     paper = "second seed: R-SWA container + InfoKV anchors at chunk granularity (cf. StreamingLLM, LaCache, R-KV)"
     keeps = "`sinks` + chunk-aligned recent window + `anchors` best older tokens by InfoKV's score; constant size"
     decides = "whenever the recent window must slide (before an append), and after a prompt longer than size"
-    stats = {"signal": float("nan")}
 
     sinks: int = 4
     anchors: int = 256
@@ -60,10 +59,7 @@ class BoundedCache(CachePolicy):
         check_int(owner, "anchors", self.anchors, 0)
         check_int(owner, "chunk", self.chunk, 1)
         check_int(owner, "recent", self.recent, self.chunk)
-        check_int(owner, "window", self.window, 1)
-        check_float(owner, "alpha", self.alpha, 0.0, 1.0)
-        check_float(owner, "tau", self.tau, 0.0)
-        check_int(owner, "top_k", self.top_k, 1)
+        self.check_scoring(owner)
 
     @property
     def size(self) -> int:
@@ -72,14 +68,6 @@ class BoundedCache(CachePolicy):
 
     def capacity(self) -> int:
         return self.size
-
-    @property
-    def query_window(self) -> int:
-        return self.window
-
-    @property
-    def needs_signals(self) -> bool:
-        return self.alpha < 1.0
 
     def window_start(self, total: int) -> int:
         """Chunk-aligned start of the recent window for ``total`` tokens: the smallest multiple of ``chunk`` that is
@@ -106,6 +94,3 @@ class BoundedCache(CachePolicy):
 
     def scores(self, layer: PolicyLayer) -> torch.Tensor:
         return fused_scores(layer, self.alpha)
-
-    def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        return entropy_signal(hidden, last_hidden, entropy, self.tau)

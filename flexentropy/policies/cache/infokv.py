@@ -64,8 +64,37 @@ def fused_scores(layer: PolicyLayer, alpha: float, pool: int = 1) -> torch.Tenso
     return alpha * attention + (1.0 - alpha) * signal.softmax(dim=-1)
 
 
+class InfoScoring:
+    """InfoKV's scoring, shared by the policies that rank entries with it (`InfoKV`, `BoundedCache`): queries of the
+    last ``window`` tokens, the fused score of `fused_scores` (``alpha``), the signal `entropy_signal` (``tau``)
+    over the top ``top_k`` logits. The knobs are fields of each policy's dataclass."""
+
+    window: int
+    alpha: float
+    tau: float
+    top_k: int
+    stats = {"signal": float("nan")}
+
+    def check_scoring(self, owner: str) -> None:
+        check_int(owner, "window", self.window, 1)
+        check_float(owner, "alpha", self.alpha, 0.0, 1.0)
+        check_float(owner, "tau", self.tau, 0.0)
+        check_int(owner, "top_k", self.top_k, 1)
+
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    @property
+    def needs_signals(self) -> bool:
+        return self.alpha < 1.0
+
+    def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        return entropy_signal(hidden, last_hidden, entropy, self.tau)
+
+
 @dataclass(frozen=True)
-class InfoKV(CachePolicy):
+class InfoKV(InfoScoring, CachePolicy):
     """See the module docstring. Knobs (the paper's defaults): ``budget`` 1024, ``window`` 64, ``alpha`` 0.9,
     ``tau`` 1.0, ``top_k`` 256, ``compress_every`` 1024, ``pool`` 1 (no pooling). With ``alpha = 1`` it is
     SnapKV-like and needs no model signals."""
@@ -74,7 +103,6 @@ class InfoKV(CachePolicy):
     paper = "InfoKV (arXiv 2606.26875; second seed)"
     keeps = "window's own entries + top alpha*A + (1-alpha)*softmax(D*H), `budget` per KV head"
     decides = "after the prompt's forward, then whenever budget + compress_every are stored"
-    stats = {"signal": float("nan")}
 
     budget: int = 1024
     window: int = 64
@@ -86,21 +114,10 @@ class InfoKV(CachePolicy):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        check_int(owner, "window", self.window, 1)
+        self.check_scoring(owner)
         check_int(owner, "budget", self.budget, self.window)
-        check_float(owner, "alpha", self.alpha, 0.0, 1.0)
-        check_float(owner, "tau", self.tau, 0.0)
-        check_int(owner, "top_k", self.top_k, 1)
         check_int(owner, "compress_every", self.compress_every, 1)
         check_odd(owner, "pool", self.pool)
-
-    @property
-    def query_window(self) -> int:
-        return self.window
-
-    @property
-    def needs_signals(self) -> bool:
-        return self.alpha < 1.0
 
     def capacity(self) -> int:
         return self.budget + self.compress_every
@@ -114,6 +131,3 @@ class InfoKV(CachePolicy):
 
     def forced(self, layer: PolicyLayer, incoming: int) -> int:
         return window_entries(layer)
-
-    def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        return entropy_signal(hidden, last_hidden, entropy, self.tau)

@@ -26,6 +26,9 @@ $E run --tasks niah_multivalue --lengths 2048 --placements outside inside --cach
 $E run --tasks niah_single --lengths 2048 --placements outside inside --cache full latent snapkv adakv \
     streamingllm --cache-budgets 64 128 1024 --samples "$SAMPLES"
 
+#    Nearly the whole prompt (B_d 1900 of 2048): do snapkv's misses at 1024 come from eviction or from a bug?
+$E run --tasks niah_single --lengths 2048 --cache full snapkv streamingllm --cache-budgets 1900 --samples "$SAMPLES"
+
 # 4. Every prefill x cache at matched budgets B_0 = B_d = 128.
 $E run --tasks niah_multivalue --lengths 2048 --prefill dense entropy critiprefill streaming \
     --cache full latent snapkv adakv streamingllm --prefill-budgets 128 --cache-budgets 128 --samples "$SAMPLES"

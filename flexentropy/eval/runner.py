@@ -129,8 +129,8 @@ class Loaded:
     model: Any
     tokenizer: Any
     source: str
-    warmed: set[tuple[str, int]] = field(default_factory=set)
-    """(prefill spec, batch size) pairs whose kernels are compiled (`run_batch` warms each up once)."""
+    warmed: set[tuple[str, EntropyConfig, int]] = field(default_factory=set)
+    """(prefill spec, geometry, batch size) whose kernels are compiled (`run_batch` warms each up once)."""
 
 
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto") -> Loaded:
@@ -252,12 +252,12 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=model.device)
-    if (spec.prefill, len(rows)) not in loaded.warmed:
+    if (spec.prefill, spec.config, len(rows)) not in loaded.warmed:
         # compile before anything is timed, at this batch's shape and one token narrower: the second width makes
         # dynamo compile the dynamic-width graphs that the timed batches (each its own width) then reuse
         for trim in (0, 1):
             warm_up(model, prompt[:, trim:], width - trim, mask[:, trim:])
-        loaded.warmed.add((spec.prefill, len(rows)))
+        loaded.warmed.add((spec.prefill, spec.config, len(rows)))
     sample = samples[0]
     generation = model.generation_config
     min_new, generation.min_new_tokens = generation.min_new_tokens, sample.min_new_tokens or None

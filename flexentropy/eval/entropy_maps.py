@@ -22,6 +22,7 @@ import torch
 from flexentropy.config import EntropyConfig
 from flexentropy.eval.capture import LayerQKV
 from flexentropy.eval.metrics import spearman
+from flexentropy.eval.plotting import pyplot, save
 from flexentropy.prefill import allocate_budgets, observation_attention, segment_entropy
 
 QUANTILES = (0.1, 0.25, 0.5)
@@ -118,10 +119,7 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
          config: EntropyConfig, out: Path, kv_heads: int) -> list[Path]:
     """Fig. 1 (entropy curves), Fig. 2 (head maps per context, also GQA-averaged), the max-entropy histogram and
     the per-head budget map. Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
     from matplotlib.colors import LogNorm
 
@@ -146,10 +144,7 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("segment entropy of A_obs (nats)")
     fig.suptitle(f"Fig. 1 on SmolLM2-135M: per-head segment entropy ({contexts[0]['label']})")
-    fig.tight_layout()
-    files.append(out / "fig1_entropy_curves.png")
-    fig.savefig(files[-1], dpi=130)
-    plt.close(fig)
+    files.append(save(fig, out / "fig1_entropy_curves.png"))
 
     maps = [max_entropy(p).numpy() for p in profiles]
     shown = min(len(maps), 4)
@@ -169,9 +164,7 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
             ax.set_ylabel("layer")
     fig.colorbar(image, ax=axes, fraction=0.04, label="max segment entropy (nats, log scale); red x: rigid (< 1e-5)")
     fig.suptitle("Fig. 2 on SmolLM2-135M: max segment entropy per head, per context")
-    files.append(out / "fig2_head_maps.png")
-    fig.savefig(files[-1], dpi=130)
-    plt.close(fig)
+    files.append(save(fig, out / "fig2_head_maps.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     values = np.concatenate([m.ravel() for m in maps])
@@ -192,10 +185,7 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
     axes[0].legend(title=f"{100 * float((values < config.entropy_threshold).mean()):.1f}% below 1e-5", fontsize=8)
     axes[0].set_ylabel("count")
     fig.suptitle("Segment entropy of the observation attention (rigid threshold and quantile thresholds)")
-    fig.tight_layout()
-    files.append(out / "max_entropy_hist.png")
-    fig.savefig(files[-1], dpi=130)
-    plt.close(fig)
+    files.append(save(fig, out / "max_entropy_hist.png"))
 
     budgets = budget_map(profiles[0], config).numpy()
     fig, ax = plt.subplots(figsize=(4, 6))
@@ -204,8 +194,5 @@ def plot(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], stats: di
     ax.set_ylabel("layer")
     ax.set_title(f"mean budget / B_0 per head (Alg. 3)\n{contexts[0]['label']}; layer 0 runs dense", fontsize=9)
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    files.append(out / "budget_map.png")
-    fig.savefig(files[-1], dpi=130)
-    plt.close(fig)
+    files.append(save(fig, out / "budget_map.png"))
     return files

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
 from flexentropy.eval.capture import LayerQKV
 from flexentropy.eval.metrics import spearman
+from flexentropy.eval.plotting import pyplot, save
 from flexentropy.eval.resolve import make_prefill_policy, prefill_has_budget
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
 from flexentropy.prefill.selection import dense_segments
@@ -217,10 +218,7 @@ def write_results(rows: list[dict[str, Any]], summary: list[dict[str, Any]], met
 def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: Path, heatmap_budget: int) -> list[Path]:
     """``fidelity_vs_density.png`` (error and mass kept against density, per policy) and ``fidelity_heatmaps.png``
     (layer x head maps at ``heatmap_budget``). Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     policies = sorted({s["policy"] for s in summary if s["budget"] is not None})
@@ -244,10 +242,7 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: Path, h
         ax.legend(title="mean per policy, labels: B_0")
     axes[0].set_yscale("log")
     fig.suptitle("Attention fidelity on SmolLM2-135M's own q/k/v (dots: one layer x head x context)")
-    fig.tight_layout()
-    files = [out / "fidelity_vs_density.png"]
-    fig.savefig(files[0], dpi=130)
-    plt.close(fig)
+    files = [save(fig, out / "fidelity_vs_density.png")]
 
     layers = max(r["layer"] for r in rows) + 1
     heads = max(r["head"] for r in rows) + 1
@@ -271,8 +266,5 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: Path, h
         ax.set_ylabel("layer")
         fig.colorbar(image, ax=ax, fraction=0.08)
     fig.suptitle(f"Per layer and head at B_0 = {heatmap_budget} (mean over contexts; layer 0 is dense)")
-    fig.tight_layout()
-    files.append(out / "fidelity_heatmaps.png")
-    fig.savefig(files[1], dpi=130)
-    plt.close(fig)
+    files.append(save(fig, out / "fidelity_heatmaps.png"))
     return files

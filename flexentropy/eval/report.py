@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flexentropy.eval.metrics import common_prefix_tokens
+from flexentropy.eval.plotting import pyplot, save
 from flexentropy.eval.runner import CONFIG_FILE, METRICS_FILE, RunSpec, read_predictions
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
@@ -175,10 +176,7 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
                                                                                        "streaming")) -> bool:
     """Score and agreement with dense against measured density, per prefill policy (full cache, question after
     the context), one column per (task, length). False when there is nothing to plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     data = [r for r in rows if r["cache"] == "full" and r["placement"] == "outside" and r["score"] is not None
             and r["density"] is not None and r["prefill"] in ("dense", *prefills)]
@@ -214,18 +212,13 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
     legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
     axes[0, 0].legend(legend.values(), legend.keys(), fontsize=8)  # every policy, also those absent from panel 1
     fig.suptitle("Accuracy against measured density (labels: B_0), full cache, question after the context")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
 def plot_cache_budgets(rows: list[Row], path: Path) -> bool:
     """Score against ``B_d`` per cache policy (dense prefill), question after vs before the context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     data = [r for r in rows if r["prefill"] == "dense" and r["score"] is not None and r["task"] != "summarise"]
     budgeted = [r for r in data if r["cache_budget"] is not None]
@@ -254,18 +247,13 @@ def plot_cache_budgets(rows: list[Row], path: Path) -> bool:
     for ax in axes[:, 0]:
         ax.set_ylabel("score")
     fig.suptitle("KV-cache policies at matched budgets (dense prefill)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
 def plot_tasks(rows: list[Row], path: Path) -> bool:
     """Dense/full score per task and length (which tasks a model can do at all)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     data = [r for r in rows if r["prefill"] == "dense" and r["cache"] == "full" and r["score"] is not None
@@ -288,9 +276,7 @@ def plot_tasks(rows: list[Row], path: Path) -> bool:
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
     ax.set_title("Dense prefill, full cache: what the model can do at all")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 

@@ -425,6 +425,10 @@ def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monk
     with pytest.raises(SystemExit, match=r"plan.txt:5 is not a valid `run` line"):
         cli.main(["plan", str(plan)])
     assert not (tmp_path / "runs").exists() and not loads  # nothing ran
+    plan.write_text(good + "--batch-size 0 --out $RUNS\n")
+    with pytest.raises(SystemExit, match=r"plan.txt:5: --batch-size must be >= 1, got 0"):
+        cli.main(["plan", str(plan)])
+    assert not (tmp_path / "runs").exists() and not loads
     plan.write_text(good)
     assert cli.main(["plan", str(plan), "--dry-run"]) == 0
     assert not (tmp_path / "runs").exists() and not loads

@@ -122,14 +122,19 @@ def _loader(args: argparse.Namespace) -> Any:
     return load
 
 
+def _check_run(args: argparse.Namespace) -> None:
+    """What argparse cannot check of a ``run``'s arguments (ValueError)."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+
+
 def cmd_run(args: argparse.Namespace, load: Any = None) -> int:
     """``run``; ``load``: a model loader shared with other grids (`cmd_plan`), else one of its own."""
     from tqdm.auto import tqdm
 
     from flexentropy.eval.runner import run
 
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_run(args)
     specs = expand_grid(args.tasks, args.lengths, args.prefill, args.cache, prefill_budgets=args.prefill_budgets,
                         cache_budgets=args.cache_budgets, placements=args.placements, model=args.model_label,
                         seed=args.seed, config=geometry(args))
@@ -171,8 +176,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except SystemExit as err:  # argparse printed the reason
             raise SystemExit(f"flexentropy.eval: error: {args.file}:{number} is not a valid `run` line") from err
         grids[-1].dry_run |= args.dry_run
-        if grids[-1].batch_size < 1:
-            raise SystemExit(f"flexentropy.eval: error: {args.file}:{number}: --batch-size must be >= 1")
+        try:
+            _check_run(grids[-1])
+        except ValueError as err:
+            raise SystemExit(f"flexentropy.eval: error: {args.file}:{number}: {err}") from None
     if not grids:
         raise SystemExit(f"flexentropy.eval: error: {args.file} holds no `run` line")
     loaders: dict[tuple[Any, ...], Any] = {}

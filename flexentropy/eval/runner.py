@@ -220,11 +220,6 @@ def _layer_densities(model: Any) -> list[float | None]:
     return [getattr(getattr(m, STATE_ATTR, None), "density", None) for m in attention_modules(model)]
 
 
-def run_sample(loaded: Loaded, spec: RunSpec, index: int, cache: Any) -> dict[str, Any]:
-    """Generate greedily for sample ``index`` of ``spec`` (policies already applied); its record."""
-    return run_batch(loaded, spec, [index], cache)[0]
-
-
 def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
     """Generate greedily for samples ``indices`` of ``spec`` in one ``generate`` call (policies already applied);
     their records, in the order of ``indices``.

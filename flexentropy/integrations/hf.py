@@ -227,6 +227,12 @@ def prefill_density(model: nn.Module) -> float | None:
     return sum(densities) / len(densities) if densities else None
 
 
+def _real_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
+    padding."""
+    return mask[:, 0].diagonal(dim1=-2, dim2=-1)
+
+
 def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc); before
     a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its ``update``) and, for a
@@ -235,7 +241,7 @@ def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
                 and mask.shape[-2] == mask.shape[-1]:
-            cache.observe_padding(mask[:, 0].diagonal(dim1=-2, dim2=-1), module.layer_idx)
+            cache.observe_padding(_real_tokens(mask), module.layer_idx)
         if getattr(module, "sliding_window", None):
             cache.observe_sliding(int(module.sliding_window), module.layer_idx)
     return args, {**kwargs, CACHE_KWARG: cache}
@@ -322,7 +328,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
                         f"got {mask.dtype}")
     out = query.new_zeros(*query.shape[:-1], value.shape[-1])
     plans: list[SparsePlan | None] = []
-    real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, N]: token i attends to itself iff it is not padding
+    real = _real_tokens(mask)
     for row in range(query.shape[0]):
         tokens = real[row].nonzero().flatten()
         if tokens.numel() == 0:

@@ -57,7 +57,7 @@ def forward_influence(model: Any, input_ids: torch.Tensor, positions: Sequence[i
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
 
     prefix = DynamicCache(config=model.config)
-    model(ids[:, :context], past_key_values=prefix, use_cache=True)
+    model(ids[:, :context], past_key_values=prefix, use_cache=True, logits_to_keep=1)  # only the cache is needed
     chunk = ids[:, context:]
     reference = model(chunk, past_key_values=copy.deepcopy(prefix), use_cache=True).logits.float().log_softmax(-1)
 

@@ -320,6 +320,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypa
     assert set(rows) == {("dense", "full"), ("dense", "latent"), ("entropy", "full"), ("entropy", "latent")}
     assert rows["dense", "full"]["same_as_dense"] == 1.0 and rows["dense", "full"]["density"] == 1.0
     assert rows["entropy", "full"]["density"] < 1.0
+    assert {r["device"] for r in rows.values()} == {"cpu"}  # the latency table names the machine from this
     assert (tmp_path / "tables.md").read_text().count("|") > 10 and (tmp_path / "runs.csv").is_file()
 
 
@@ -348,6 +349,24 @@ def test_block_fidelity_matches_the_sparse_kernel() -> None:
         assert got["rel_error"] == pytest.approx(err, rel=1e-4)
         assert got["mass_kept"] == pytest.approx(float((probs * mask[0, head]).sum(-1).mean()), rel=1e-5)
         assert 0 < got["mass_kept_sparse"] < 1 and got["rel_error_sparse"] > got["rel_error"]
+
+
+def test_prompt_only_forwards_compute_the_last_logits_only(loaded: Loaded) -> None:
+    """`warm_up` and `capture_qkv` need no ``[B, N, V]`` logits (64 GiB in bf16 for 8 rows of 16k tokens over a
+    262k vocabulary: the warm-up ran out of memory on the H200 before it asked for the last position only)."""
+    from flexentropy.cli import warm_up
+    from flexentropy.eval.capture import capture_qkv
+
+    widths: list[int] = []
+    head = loaded.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda _module, _args, out: widths.append(out.shape[1]))
+    try:
+        ids = torch.arange(2, 50)[None].expand(2, -1)
+        warm_up(loaded.model, ids, 40, torch.ones_like(ids))
+        capture_qkv(loaded.model, ids[0].tolist())
+    finally:
+        handle.remove()
+    assert widths == [1, 1]
 
 
 def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded, tmp_path: Path) -> None:

@@ -516,7 +516,13 @@ def test_forward_influence_matches_brute_force_reference():
     model = _tiny_llama().double()
     ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(12))
     positions = [0, 3, 11, 21]
-    got = forward_influence(model, ids, positions, horizon=8, batch_size=3)
+    widths: list[int] = []  # the context's prefill needs its cache only, not its [1, N, V] logits
+    handle = model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: widths.append(out.shape[1]))
+    try:
+        got = forward_influence(model, ids, positions, horizon=8, batch_size=3)
+    finally:
+        handle.remove()
+    assert widths[0] == 1 and set(widths[1:]) == {8}
     want = ref.forward_influence(model, ids, positions, horizon=8)
     assert got.shape == (4,) and bool((got > 0).all())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-9)

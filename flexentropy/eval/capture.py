@@ -39,7 +39,7 @@ class LayerQKV:
 def capture_qkv(model: Any, ids: list[int] | torch.Tensor) -> list[LayerQKV]:
     """Run ``model`` densely on the prompt ``ids`` and return every attention layer's q/k/v, in layer order.
 
-    The model's attention implementation is restored afterwards.
+    The model's attention implementation is restored afterwards. Only the last position's logits are computed.
     """
     from flexentropy.integrations.hf import attention_modules
 
@@ -50,7 +50,7 @@ def capture_qkv(model: Any, ids: list[int] | torch.Tensor) -> list[LayerQKV]:
     try:
         model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
         with torch.no_grad():
-            model(prompt, use_cache=False)
+            model(prompt, use_cache=False, logits_to_keep=1)  # only q/k/v are needed, not [1, N, V] logits
         layers = [LayerQKV(m.layer_idx, *_captured[m.layer_idx], m.scaling) for m in attention_modules(model)]
     finally:
         model.set_attn_implementation(previous)

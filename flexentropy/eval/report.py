@@ -26,7 +26,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 
 COLUMNS = ("model", "task", "length", "placement", "prefill", "prefill_budget", "cache", "cache_budget", "samples",
            "score", "score_low", "score_high", "same_as_dense", "prefix_agreement", "density", "prompt_tokens",
-           "prefill_s", "decode_s_per_token", "kv_mib", "path")
+           "prefill_s", "decode_s_per_token", "kv_mib", "device", "path")
 
 Row = dict[str, Any]
 
@@ -57,7 +57,7 @@ def collect(root: Path) -> list[Row]:
             "prefill": spec.prefill, "prefill_budget": spec.prefill_budget, "cache": spec.cache,
             "cache_budget": spec.cache_budget,
             **{k: metrics.get(k) for k in ("samples", "score", "score_low", "score_high", "density", "prompt_tokens",
-                                          "prefill_s", "decode_s_per_token", "kv_mib")},
+                                          "prefill_s", "decode_s_per_token", "kv_mib", "device")},
             "same_as_dense": statistics.fmean(same) if same else None,
             "prefix_agreement": statistics.fmean(prefix) if prefix else None,
             "path": str(run_dir.relative_to(root)),
@@ -152,8 +152,9 @@ def tables(rows: list[Row]) -> str:
                                 "prefill \\ cache", _prefill_order))
     latency = [r for r in rows if r["task"] == "summarise"]
     if latency:
-        sections.append("### Latency prompt (summarise, 100 new tokens; CPU, shared cores: indicative only)\n\n"
-                        "prefill s / decode ms per token / KV MiB\n\n" + pivot(
+        devices = ", ".join(sorted({r["device"] for r in latency if r["device"]})) or "device not recorded"
+        sections.append(f"### Latency prompt (summarise, 100 new tokens; {devices})\n\n"
+                        "median prefill s / decode ms per token / KV MiB\n\n" + pivot(
                             latency, lambda r: f"{policy_name(r, 'prefill')} + {policy_name(r, 'cache')}",
                             lambda r: r["length"],
                             lambda r: (f"{_fmt(r['prefill_s'])} / {_fmt((r['decode_s_per_token'] or 0) * 1e3, '.0f')}"

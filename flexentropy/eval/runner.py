@@ -200,6 +200,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_s": _median([r["prefill_s"] for r in records]),
         "decode_s_per_token": _median([r["decode_s_per_token"] for r in records]),
         "kv_mib": _mean([r["kv_mib"] for r in records]),
+        "device": ", ".join(sorted({r["device"] for r in records if r.get("device")})) or None,
     }
 
 
@@ -229,8 +230,9 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     tokens on their own, and a cache neither scores nor keeps the padding). The samples must share ``max_new_tokens``
     and ``min_new_tokens``; ``cache`` must be `batchable`. A record's ``prompt_tokens`` and ``new_token_ids`` are
     its row's own; ``density`` and ``layer_density`` (mean over the batch's rows), ``prefill_s``,
-    ``decode_s_per_token`` (per generated step of the batch), ``kv_mib`` (padding included) and ``compiled_graphs``
-    (graphs dynamo compiled inside the timed ``generate``: its times then include compilation) are the batch's.
+    ``decode_s_per_token`` (per generated step of the batch), ``kv_mib`` (padding included), ``compiled_graphs``
+    (graphs dynamo compiled inside the timed ``generate``: its times then include compilation) and ``device`` (the
+    GPU's name, else the device type) are the batch's.
     """
     import torch
 
@@ -265,6 +267,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     finally:
         generation.min_new_tokens = min_new
     density, layer_density, kv_mib = prefill_density(model), _layer_densities(model), cache_bytes(cache) / 2**20
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else model.device.type
     records = []
     for index, sample, ids, new in zip(indices, samples, rows, news, strict=True):
         prediction = tokenizer.decode(new, skip_special_tokens=True)
@@ -282,6 +285,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
             "decode_s_per_token": decode_s,
             "kv_mib": kv_mib,
             "compiled_graphs": compiled,
+            "device": device,
             "meta": sample.meta,
         })
     return records

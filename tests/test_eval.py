@@ -324,6 +324,26 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypa
     assert (tmp_path / "tables.md").read_text().count("|") > 10 and (tmp_path / "runs.csv").is_file()
 
 
+def test_accuracy_plot_wraps_panels_into_bands(tmp_path: Path) -> None:
+    """Five (task, length) panels: two bands of four columns (a score row over an agreement row each)."""
+    import matplotlib.image
+
+    from flexentropy.eval.plotting import DPI
+    from flexentropy.eval.report import plot_accuracy_vs_density
+
+    def row(task: str, length: int, prefill: str, density: float) -> dict[str, Any]:
+        return {"task": task, "length": length, "cache": "full", "placement": "outside", "prefill": prefill,
+                "prefill_budget": None if prefill == "dense" else 128, "density": density, "score": 0.5,
+                "score_low": 0.3, "score_high": 0.7, "samples": 24, "prefix_agreement": 0.8}
+
+    panels = [(task, length) for task in ("niah_single", "niah_multikey", "vt") for length in (8192, 16384)][:5]
+    rows = [row(t, n, p, d) for t, n in panels for p, d in (("dense", 1.0), ("entropy", 0.25), ("streaming", 0.25))]
+    assert plot_accuracy_vs_density(rows, tmp_path / "a.png")
+    height, width = matplotlib.image.imread(tmp_path / "a.png").shape[:2]
+    assert (height, width) == (round(3.5 * 4 * DPI), round(4.2 * 4 * DPI))
+    assert not plot_accuracy_vs_density([r for r in rows if r["prefill"] == "dense"], tmp_path / "b.png")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # fidelity and entropy maps
 

@@ -173,6 +173,11 @@ def _groups(rows: Iterable[Row], keys: tuple[str, ...]) -> dict[tuple, list[Row]
 # plots
 
 
+PANELS_PER_ROW = 4
+MIN_DENSITY_SPAN = 0.1
+"""`plot_accuracy_vs_density`: (task, length) panels per row, and the narrowest density range a panel shows."""
+
+
 def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, ...] = ("entropy", "critiprefill",
                                                                                        "streaming")) -> bool:
     """Score and agreement with dense against measured density, per prefill policy (full cache, question after
@@ -184,8 +189,16 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
     panels = [k for k, g in _groups(data, ("task", "length")).items() if len({r["prefill"] for r in g}) > 1]
     if not panels:
         return False
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False, sharey="row")
-    for col, (task, length) in enumerate(panels):
+    cols = min(len(panels), PANELS_PER_ROW)
+    bands = -(-len(panels) // cols)  # each band: a row of scores over a row of agreements
+    fig, axes = plt.subplots(2 * bands, cols, figsize=(4.2 * cols, 3.5 * 2 * bands), squeeze=False)
+    for k in range(len(panels), bands * cols):  # the last band's empty slots
+        band, col = divmod(k, cols)
+        axes[2 * band, col].set_visible(False)
+        axes[2 * band + 1, col].set_visible(False)
+    for k, (task, length) in enumerate(panels):
+        band, col = divmod(k, cols)
+        top, bottom = axes[2 * band, col], axes[2 * band + 1, col]
         group = [r for r in data if (r["task"], r["length"]) == (task, length)]
         for i, prefill in enumerate(prefills):
             line = sorted((r for r in group if r["prefill"] == prefill), key=lambda r: r["density"])
@@ -194,23 +207,29 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
             x = [r["density"] for r in line]
             y = [r["score"] for r in line]
             err = [[r["score"] - r["score_low"] for r in line], [r["score_high"] - r["score"] for r in line]]
-            axes[0, col].errorbar(x, y, yerr=err, marker=MARKERS[i], ls=LINESTYLES[i % len(LINESTYLES)], capsize=3,
-                                  label=prefill, alpha=0.85, color=f"C{i}")
+            top.errorbar(x, y, yerr=err, marker=MARKERS[i], ls=LINESTYLES[i % len(LINESTYLES)], capsize=3,
+                         label=prefill, alpha=0.85, color=f"C{i}")
             for r in line:
-                axes[0, col].annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
-                                      textcoords="offset points", xytext=(3, 3))
-            axes[1, col].plot(x, [r["prefix_agreement"] for r in line], marker=MARKERS[i],
-                              ls=LINESTYLES[i % len(LINESTYLES)], label=prefill, color=f"C{i}")
+                top.annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
+                             textcoords="offset points", xytext=(3, 3))
+            bottom.plot(x, [r["prefix_agreement"] for r in line], marker=MARKERS[i],
+                        ls=LINESTYLES[i % len(LINESTYLES)], label=prefill, color=f"C{i}")
         for r in group:
             if r["prefill"] == "dense":
-                axes[0, col].axhline(r["score"], color="k", ls="--", lw=1, label=f"dense (n={r['samples']})")
-        axes[0, col].set_title(f"{task}, {length} tokens")
-        for ax in axes[:, col]:
+                top.axhline(r["score"], color="k", ls="--", lw=1, label=f"dense (n={r['samples']})")
+        sparse = [r["density"] for r in group if r["prefill"] != "dense"]
+        middle, half = (min(sparse) + max(sparse)) / 2, max(max(sparse) - min(sparse), MIN_DENSITY_SPAN) * 0.6
+        top.set_title(f"{task}, {length} tokens")
+        for ax in (top, bottom):
+            ax.set_xlim(middle - half, middle + half)  # points at one density are not spread over the axis
+            ax.set_ylim(-0.03, 1.05)
             ax.grid(alpha=0.3)
+        if col == 0:
+            top.set_ylabel("score (95% Wilson interval)")
+            bottom.set_ylabel("share of the dense greedy answer\nreproduced before divergence")
     fig.supxlabel("mean prefill density (computed / causal key blocks, all layers)")
-    axes[0, 0].set_ylabel("score (95% Wilson interval)")
-    axes[1, 0].set_ylabel("share of the dense greedy answer\nreproduced before divergence")
-    legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    legend = {label: handle for ax in axes[::2].flat for handle, label in zip(*ax.get_legend_handles_labels(),
+                                                                              strict=True)}
     axes[0, 0].legend(legend.values(), legend.keys(), fontsize=8)  # every policy, also those absent from panel 1
     fig.suptitle("Accuracy against measured density (labels: B_0), full cache, question after the context")
     save(fig, path)

@@ -221,6 +221,29 @@ def uneven_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "sample_ids", cut)
 
 
+@pytest.mark.slow
+def test_warm_up_covers_padded_batches_after_an_unpadded_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch of a run has rows of one length (no padding: the sparse prefill runs on the whole batch), the
+    next is padded (row by row): the warm-up compiled both paths, so no timed batch compiles. A model of its own
+    (head dim 12), so that graphs other tests compiled do not help."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def cut(tokenizer: Any, sample: Any, placement: str = "outside") -> list[int]:
+        return sample_ids(tokenizer, sample, placement)[-(1000 - 37 * (sample.index % 3) * (sample.index >= 3)):]
+
+    monkeypatch.setattr(runner, "sample_ids", cut)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    model = Loaded(LlamaForCausalLM(config).eval(), TOKENIZER, "tiny random llama, head dim 12")
+    spec = RunSpec("niah_single", 1100, "entropy", "full", prefill_budget=64)
+    run(spec, 6, tmp_path, lambda: model, batch_size=3)
+    records = records_of(tmp_path, spec)
+    assert [r["prompt_tokens"] for r in records] == [1000, 1000, 1000, 1000, 963, 926]
+    assert [r["compiled_graphs"] for r in records] == [0] * 6
+
+
 @pytest.mark.parametrize(("prefill", "budget", "cache", "cache_budget"), [
     ("dense", None, "full", None), ("entropy", 64, "full", None),
     ("dense", None, "snapkv", 64), ("entropy", 64, "latent", 64),  # evicting caches: padding is neither scored nor kept

@@ -221,6 +221,30 @@ def _layer_densities(model: Any) -> list[float | None]:
     return [getattr(getattr(m, STATE_ATTR, None), "density", None) for m in attention_modules(model)]
 
 
+def warm_up_batch(model: Any, prompt: Any, mask: Any) -> None:
+    """Compile, before anything is timed, every path that a batch of ``prompt``'s row count takes (``prompt``,
+    ``mask``: ``[B, N]``, left-padded).
+
+    A batch whose rows are all real runs the sparse prefill on the whole batch; a padded one runs it row by row
+    (`flexentropy.integrations.hf`), which compiles graphs of its own. So both run here, each at two widths so that
+    dynamo compiles the dynamic-width graphs that the timed batches (each its own width) reuse: every row cut to
+    the shortest row, and the same with row 0 left-padded (when there are several rows).
+    """
+    import torch
+
+    from flexentropy.cli import warm_up
+
+    shortest = int(mask.sum(dim=-1).min())
+    real = prompt[:, prompt.shape[1] - shortest:]
+    masks = [torch.ones_like(real)]
+    if real.shape[0] > 1:
+        masks.append(torch.ones_like(real))
+        masks[1][0, :2] = 0  # row 0 padded by 2, then (one token narrower) by 1
+    for ones in masks:
+        for trim in (0, 1):
+            warm_up(model, real[:, trim:], shortest - trim, ones[:, trim:])
+
+
 def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
     """Generate greedily for samples ``indices`` of ``spec`` in one ``generate`` call (policies already applied);
     their records, in the order of ``indices``.
@@ -236,7 +260,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     """
     import torch
 
-    from flexentropy.cli import cache_bytes, generate_batch_timed, warm_up
+    from flexentropy.cli import cache_bytes, generate_batch_timed
     from flexentropy.integrations.hf import prefill_density
 
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -250,10 +274,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     prompt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=model.device)
     if (spec.prefill, spec.config, len(rows)) not in loaded.warmed:
-        # compile before anything is timed, at this batch's shape and one token narrower: the second width makes
-        # dynamo compile the dynamic-width graphs that the timed batches (each its own width) then reuse
-        for trim in (0, 1):
-            warm_up(model, prompt[:, trim:], width - trim, mask[:, trim:])
+        warm_up_batch(model, prompt, mask)
         loaded.warmed.add((spec.prefill, spec.config, len(rows)))
     sample = samples[0]
     generation = model.generation_config

@@ -336,9 +336,12 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
         start, stop = int(tokens[0]), int(tokens[-1]) + 1
         rows = slice(row, row + 1)
         if stop - start == tokens.numel():
+            # contiguous copies: a view's strides and offset vary with the row and its padding, and each variant
+            # would compile the kernel again
             span = slice(start, stop)
-            out[rows, :, span], plan = _sparse(query[rows, :, span], key[rows, :, span], value[rows, :, span],
-                                               state.config, module.layer_idx, scaling, state.prefill)
+            row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
+            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state.config, module.layer_idx, scaling,
+                                               state.prefill)
         else:
             out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
                                                        scale=scaling, enable_gqa=True)

@@ -78,5 +78,8 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     if not compiled:
         return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
+    if not torch.compiler.is_compiling():  # (inside an outer compile the outer graph decides)
+        for indices in tensors[1::2]:  # [B, H, C_Q, C_B]: dynamo gives sizes that are equal one symbol, and flex
+            torch._dynamo.maybe_mark_dynamic(indices, 3)  # keeps the head dim static: C_B == D would be static too
     with no_silent_fallback():
         return _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)

@@ -78,8 +78,11 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     if not compiled:
         return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
-    if not torch.compiler.is_compiling():  # (inside an outer compile the outer graph decides)
-        for indices in tensors[1::2]:  # [B, H, C_Q, C_B]: dynamo gives sizes that are equal one symbol, and flex
-            torch._dynamo.maybe_mark_dynamic(indices, 3)  # keeps the head dim static: C_B == D would be static too
+    # The block count C_B of the index tensors [B, H, C_Q, C_B] must stay dynamic: dynamo gives equal sizes one
+    # symbol and flex keeps the head dim static, so a first call with C_B == D would make C_B static too (and
+    # recompile at the next length). Inside an outer compile, the outer graph decides.
+    if not torch.compiler.is_compiling():
+        for indices in tensors[1::2]:
+            torch._dynamo.maybe_mark_dynamic(indices, 3)
     with no_silent_fallback():
         return _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)

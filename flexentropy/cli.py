@@ -137,8 +137,31 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0.0 <= args.needle_depth <= 1.0:
         raise CLIError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
-    if args.prompt_file is not None and not args.prompt_file.is_file():
-        raise CLIError(f"prompt file not found: {args.prompt_file}")
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise CLIError(f"prompt file not found: {args.prompt_file}")
+        try:
+            args.prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise CLIError(f"prompt file {args.prompt_file} is not UTF-8 text ({err.reason} at byte {err.start})"
+                           ) from None
+        except OSError as err:
+            raise CLIError(f"cannot read prompt file {args.prompt_file}: {err.strerror or err}") from None
+    if args.json_path is not None:
+        check_writable(args.json_path)
+
+
+def check_writable(path: Path) -> None:
+    """Raise `CLIError` unless a file can be written at ``path`` (checked before a long run, not after it)."""
+    path = path.expanduser()
+    if path.is_dir():
+        raise CLIError(f"--json {path} is a folder; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as err:
+        raise CLIError(f"--json {path}: cannot write there ({err.strerror or err})") from None
 
 
 def entropy_config(args: argparse.Namespace) -> EntropyConfig:
@@ -221,7 +244,7 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
     from tqdm.auto import tqdm
     from transformers.generation.streamers import BaseStreamer
 
-    from flexentropy.integrations.hf import attention_modules
+    from flexentropy.integrations.hf import attention_modules, cache_keyword
 
     layers = attention_modules(model)
     stamps: list[float] = []
@@ -245,7 +268,7 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
 
     handles = [m.register_forward_hook(layer_done) for m in layers]
     try:
-        out = model.generate(prompt, attention_mask=attention_mask, past_key_values=cache,
+        out = model.generate(prompt, attention_mask=attention_mask, **{cache_keyword(model): cache},
                              max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     finally:
@@ -275,10 +298,12 @@ def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) ->
     import torch
     from transformers import DynamicCache
 
+    from flexentropy.integrations.hf import cache_keyword
+
     start = time.perf_counter()
     with torch.no_grad():
         mask = None if attention_mask is None else attention_mask[:, :length]
-        model(prompt[:, :length], attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+        model(prompt[:, :length], attention_mask=mask, **{cache_keyword(model): DynamicCache(config=model.config)},
               use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
 
@@ -363,6 +388,8 @@ def select_device(name: str) -> Any:
         device = torch.device(name)
     except RuntimeError as err:
         raise CLIError(f"--device: {err}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device {name}: flexentropy runs on cpu or cuda (its kernels are compiled FlexAttention)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda requested but torch sees no CUDA GPU (a CPU build of torch, or no driver)")
     return device
@@ -372,6 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load, build the prompt, run dense and flexentropy; print the table; return the JSON report."""
     check_args(args)
     config = entropy_config(args)
+    device = select_device(args.device)
     folder, gguf_file = resolve_model(args.model)
 
     import torch
@@ -382,7 +410,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flexentropy.integrations.hf import check_supported, enable, prefill_density
 
     hf_logging.set_verbosity_error()
-    device = select_device(args.device)
     dtype = {"auto": torch.float32 if device.type == "cpu" else torch.bfloat16, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     where = f"{folder / gguf_file if gguf_file else folder}"

@@ -8,30 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from flexentropy._checks import check_choice, check_int, check_number, check_odd
+
 Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 BACKENDS = ("auto", "triton", "flash")
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"EntropyConfig.{name} must be > 0, got {value!r}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"EntropyConfig.{name} must be >= 0, got {value!r}")
-
-
-def _int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"EntropyConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"EntropyConfig.{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +48,9 @@ class EntropyConfig:
         decode_delay: N_D, generated tokens before the first eviction.
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
         decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
-        recompress_every: evict again after this many appended tokens (None: once, as in the paper).
+        recompress_every: R: after the first eviction, evict again whenever ``decode_budget + R`` entries are
+            stored, so a KV head never holds more than ``decode_budget + R`` entries (default 32: the budget bounds
+            memory). None evicts once, as the paper does: the cache then grows by one entry per generated token.
     """
 
     segment_size: int = 512
@@ -90,12 +74,13 @@ class EntropyConfig:
     decode_delay: int = 16
     decode_pool: int = 5
     decode_score: Literal["softmax", "raw"] = "softmax"
-    recompress_every: int | None = None
+    recompress_every: int | None = 32
 
     def __post_init__(self) -> None:
+        owner = type(self).__name__
         for name in ("segment_size", "block_size", "sink_blocks", "local_blocks", "dense_prefix",
                      "decode_budget", "decode_window", "decode_delay", "decode_pool"):
-            _int(name, getattr(self, name))
+            check_int(owner, name, getattr(self, name), None)
         if self.block_size not in (64, 128):
             raise ValueError(f"EntropyConfig.block_size must be 64 or 128, got {self.block_size}")
         if self.segment_size <= 0 or self.segment_size % Q_BLOCK_SIZE or self.segment_size % self.block_size:
@@ -104,15 +89,16 @@ class EntropyConfig:
                 f"block_size={self.block_size}, got {self.segment_size}"
             )
         for name in ("base_budget", "entropy_threshold", "observation_scale"):
-            _positive(name, getattr(self, name))
-        for name in ("budget_alpha", "fluctuation_threshold", "sink_blocks", "local_blocks", "dense_prefix"):
-            _non_negative(name, getattr(self, name))
-        if not self.max_budget_factor >= 1:
-            raise ValueError(f"EntropyConfig.max_budget_factor must be >= 1, got {self.max_budget_factor!r}")
-        _choice("fluctuation", self.fluctuation, ("abs", "signed"))
-        _choice("observation", self.observation, ("paper", "critiprefill"))
-        _choice("decode_score", self.decode_score, ("softmax", "raw"))
-        _choice("backend", self.backend, BACKENDS)
+            check_number(owner, name, getattr(self, name), 0, open_low=True)
+        for name in ("budget_alpha", "fluctuation_threshold"):
+            check_number(owner, name, getattr(self, name), 0)
+        for name in ("sink_blocks", "local_blocks", "dense_prefix"):
+            check_int(owner, name, getattr(self, name), 0)
+        check_number(owner, "max_budget_factor", self.max_budget_factor, 1)
+        check_choice(owner, "fluctuation", self.fluctuation, ("abs", "signed"))
+        check_choice(owner, "observation", self.observation, ("paper", "critiprefill"))
+        check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
+        check_choice(owner, "backend", self.backend, BACKENDS)
         if not isinstance(self.dense_layers, tuple) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers
         ):
@@ -120,23 +106,16 @@ class EntropyConfig:
                              f"got {self.dense_layers!r}")
         if not isinstance(self.dense_last_segment, bool):
             raise TypeError(f"EntropyConfig.dense_last_segment must be a bool, got {self.dense_last_segment!r}")
-        if self.decode_window < 1:
-            raise ValueError(f"EntropyConfig.decode_window must be >= 1, got {self.decode_window}")
-        if self.decode_delay < 1:
-            raise ValueError(f"EntropyConfig.decode_delay must be >= 1, got {self.decode_delay}")
+        check_int(owner, "decode_window", self.decode_window, 1)
+        check_int(owner, "decode_delay", self.decode_delay, 1)
         if self.decode_budget < self.decode_window:
             raise ValueError(
                 f"EntropyConfig.decode_budget ({self.decode_budget}) must be >= decode_window "
                 f"({self.decode_window}): the window's own entries are always kept"
             )
-        if self.decode_pool < 1 or self.decode_pool % 2 == 0:
-            raise ValueError(f"EntropyConfig.decode_pool must be an odd int >= 1 (1 = no pooling), "
-                             f"got {self.decode_pool}")
+        check_odd(owner, "decode_pool", self.decode_pool)
         if self.recompress_every is not None:
-            _int("recompress_every", self.recompress_every)
-            if self.recompress_every < 1:
-                raise ValueError(f"EntropyConfig.recompress_every must be None or >= 1, "
-                                 f"got {self.recompress_every}")
+            check_int(owner, "recompress_every", self.recompress_every, 1)
 
     def replace(self, **changes: object) -> EntropyConfig:
         """A copy with ``changes`` applied (and validated)."""

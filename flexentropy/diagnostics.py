@@ -43,6 +43,8 @@ def forward_influence(model: Any, input_ids: torch.Tensor, positions: Sequence[i
     """
     from transformers import DynamicCache
 
+    from flexentropy.integrations.hf import cache_keyword
+
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T] or [T], got {list(input_ids.shape)}")
@@ -56,10 +58,11 @@ def forward_influence(model: Any, input_ids: torch.Tensor, positions: Sequence[i
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
 
+    keyword = cache_keyword(model)
     prefix = DynamicCache(config=model.config)
-    model(ids[:, :context], past_key_values=prefix, use_cache=True, logits_to_keep=1)  # only the cache is needed
+    model(ids[:, :context], **{keyword: prefix}, use_cache=True, logits_to_keep=1)  # only the cache is needed
     chunk = ids[:, context:]
-    reference = model(chunk, past_key_values=copy.deepcopy(prefix), use_cache=True).logits.float().log_softmax(-1)
+    reference = model(chunk, **{keyword: copy.deepcopy(prefix)}, use_cache=True).logits.float().log_softmax(-1)
 
     device = ids.device
     causal = torch.ones(horizon, horizon, dtype=torch.bool, device=device).tril()
@@ -71,6 +74,6 @@ def forward_influence(model: Any, input_ids: torch.Tensor, positions: Sequence[i
         allowed[torch.arange(n, device=device), 0, :, part.to(device)] = False
         cache = copy.deepcopy(prefix)
         cache.batch_repeat_interleave(n)
-        logits = model(chunk.expand(n, -1), past_key_values=cache, attention_mask=allowed, use_cache=True).logits
+        logits = model(chunk.expand(n, -1), **{keyword: cache}, attention_mask=allowed, use_cache=True).logits
         influence.append(_kl(reference, logits.float().log_softmax(-1)).mean(dim=-1))
     return torch.cat(influence) if influence else torch.zeros(0)

@@ -85,15 +85,30 @@ def test_prompt_file_and_own_question(tiny_model: Path, tmp_path: Path, capsys: 
     ("tiny", ["--prompt-file", "no/such/file.txt"], "prompt file not found"),
     ("tiny", ["--needle-depth", "1.5"], r"--needle-depth must be in \[0, 1\]"),
     ("tiny", ["--segment-size", "100"], "segment_size must be a positive multiple of 128"),
+    ("tiny", ["--base-budget", "inf"], "base_budget must be a finite number > 0, got inf"),
+    ("tiny", ["--device", "meta"], "--device meta: flexentropy runs on cpu or cuda"),
+    ("tiny", ["--device", "mps"], "--device mps: flexentropy runs on cpu or cuda"),
+    ("tiny", ["--prompt-file", "{binary}"], r"prompt file .*latin1.txt is not UTF-8 text"),
+    ("tiny", ["--json", "{file}/result.json"], r"--json .*result.json: cannot write there"),
 ])
 def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp_path: Path, make: str,
-                                                           argv: list[str], message: str) -> None:
+                                                           argv: list[str], message: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bad input stops with `flexentropy: error: ...` before the weights are loaded."""
     model = {"missing": tmp_path / "nowhere", "tiny": tiny_model, "gpt2": tmp_path / "gpt2"}[make]
     if make == "gpt2":
         GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(model)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    (tmp_path / "a_file").write_text("")
+    argv = [a.format(binary=tmp_path / "latin1.txt", file=tmp_path / "a_file") for a in argv]
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before the input was checked")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_loading)
     out = tmp_path / "result.json"
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", str(model), *argv, "--json", str(out)])
+        main(["--model", str(model), "--json", str(out), *argv])
     assert isinstance(exit_info.value.code, str) and exit_info.value.code.startswith("flexentropy: error:")
     assert re.search(message, exit_info.value.code), exit_info.value.code
     assert not out.exists() and not list(tmp_path.glob(".result.json.*"))

@@ -92,13 +92,16 @@ def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     assert prefill_density(model) == 1.0
     expected = greedy(dense, ids)
     assert torch.equal(greedy(model, ids), expected)
-    cache = LatentKVCache(COVERING)
-    assert torch.equal(greedy(model, ids, past_key_values=cache), expected)
-    for module in hf.attention_modules(model):  # sliding-window layers keep their window, as transformers' cache
-        window = getattr(module, "sliding_window", None)
-        stored = cache.stored_length(module.layer_idx)
-        assert stored == (PROMPT + 7 if window is None else window), (module.layer_idx, stored)
-        assert cache.get_seq_length(module.layer_idx) == PROMPT + 7
+    # the installed transformers' own keyword (`cache` from 5.24) and `past_key_values` (5.17-5.23; an alias after)
+    for keyword in dict.fromkeys((hf.cache_keyword(model), "past_key_values")):
+        cache = LatentKVCache(COVERING)
+        assert torch.equal(greedy(model, ids, **{keyword: cache}), expected), keyword
+        for module in hf.attention_modules(model):  # sliding-window layers keep their window, as transformers' cache
+            window = getattr(module, "sliding_window", None)
+            stored = cache.stored_length(module.layer_idx)
+            assert stored == (PROMPT + 7 if window is None else window), (module.layer_idx, stored)
+            assert cache.get_seq_length(module.layer_idx) == PROMPT + 7
+            assert cache.layers[module.layer_idx].observed == PROMPT + 7  # the queries were handed over
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -258,6 +261,21 @@ def test_enable_rejects_what_it_cannot_run() -> None:
     softcapped = Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=16, attn_logit_softcapping=50.0))
     with pytest.raises(ValueError, match="soft-capping"):
         enable(softcapped)
+    with pytest.raises(TypeError, match=r"the model is torch.float64: load it in one of those"):
+        enable(ARCHS["llama"]().double())
+    enable(ARCHS["llama"]().double(), prefill="dense")  # SDPA prefill takes float64
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
+    """transformers 5.24 renamed the cache argument to `cache` (SPEC 5, read from the wheels)."""
+    import transformers
+    from packaging.version import Version
+
+    model = ARCHS[arch]()
+    renamed = Version(transformers.__version__) >= Version("5.24.0")
+    assert hf.cache_keyword(model) == ("cache" if renamed else "past_key_values")
+    assert hf.cache_keyword(torch.compile(model)) == hf.cache_keyword(model)
 
 
 def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: object) -> None:

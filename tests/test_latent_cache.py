@@ -17,6 +17,7 @@ from flexentropy.cache import (
     pool_scores,
     window_attention_scores,
 )
+from flexentropy.cache.keywords import cache_argument
 from flexentropy.config import EntropyConfig
 from reference import cache as ref
 
@@ -360,12 +361,35 @@ def test_hand_over_of_the_wrong_length():
         cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
 
 
-def test_eviction_without_hand_over_says_what_is_missing():
+def test_a_cache_without_hand_over_fails_at_the_first_forward():
+    """Used without fe.enable, the cache once failed only when an eviction was due (16 tokens in)."""
     cache = LatentKVCache(EntropyConfig(decode_budget=4, decode_window=2, decode_delay=1))
-    cache.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 0)
-    cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
-    with pytest.raises(RuntimeError, match=r"must call cache.observe_queries\(query_states, layer_idx\)"):
-        cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+    cache.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 0)     # layer 0 of the prompt, no queries
+    with pytest.raises(RuntimeError, match=r"layer 0 \(latent\).*none were handed over: call flexentropy.enable"):
+        cache.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 1)  # layer 1 of the same forward
+    single = LatentKVCache(EntropyConfig(decode_budget=4, decode_window=2, decode_delay=1))
+    single.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 0)    # a one-layer model: at its next forward
+    with pytest.raises(RuntimeError, match=r"call flexentropy.enable\(model\)"):
+        single.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+
+
+@pytest.mark.parametrize("recompress_every", [32, None])
+def test_the_default_budget_bounds_memory_over_1100_tokens(recompress_every):
+    """decode_budget reads as a bound: by default (recompress_every=32) no head ever holds more than budget + 32
+    entries; recompress_every=None is the paper's single eviction, after which the cache grows."""
+    config = EntropyConfig(decode_budget=64, decode_window=8, decode_delay=4, recompress_every=recompress_every)
+    gen = torch.Generator().manual_seed(11)
+    cache = LatentKVCache(config)
+    _step(cache, *_token(gen, 1, 4, 2, 8, 300, dtype=torch.float32))
+    most = 0  # entries held after the first eviction (before it, the prompt and `decode_delay` tokens)
+    for step in range(1, 1101):
+        _step(cache, *_token(gen, 1, 4, 2, 8, dtype=torch.float32))
+        most = max(most, cache.stored_length()) if step > 4 else 0
+    assert cache.get_seq_length() == 1400
+    if recompress_every is None:
+        assert cache.stored_length() == 64 + 1100 - 4 and cache.layers[0].evictions == 1
+    else:
+        assert most == 64 + 32 and cache.layers[0].evictions == 1 + (1100 - 4 - 1) // 32
 
 
 @pytest.mark.parametrize(("call", "message"), [
@@ -408,7 +432,7 @@ def _hand_over_hooks(model) -> list:
     def hook(module, args, kwargs):
         hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
         q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
-        kwargs["past_key_values"].observe_queries(apply_rotary_pos_emb(q, q, cos, sin)[0], module.layer_idx)
+        cache_argument(kwargs).observe_queries(apply_rotary_pos_emb(q, q, cos, sin)[0], module.layer_idx)
 
     return [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
 
@@ -421,7 +445,13 @@ def test_generate_within_budget_equals_dynamic_cache():
     cache = LatentKVCache(EntropyConfig(decode_budget=64, decode_window=8, decode_delay=4))
     with torch.no_grad():
         want = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=DynamicCache())
-        got = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=cache)
+    hooks = _hand_over_hooks(model)
+    try:
+        with torch.no_grad():
+            got = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert torch.equal(got, want) and got.shape == (2, 54)
     assert cache.get_seq_length() == cache.stored_length(1) == 53 and len(cache) == 2
 

@@ -106,11 +106,11 @@ def test_make_cache_builds_a_policy_cache():
     (lambda: SnapKV(window=0), r"SnapKV.window must be >= 1"),
     (lambda: SnapKV(budget=8, window=16), r"SnapKV.budget must be >= 16"),
     (lambda: SnapKV(pool=4), r"SnapKV.pool must be odd"),
-    (lambda: AdaKV(safeguard=1.5), r"AdaKV.safeguard must be a number in \[0.0, 1.0\]"),
-    (lambda: PyramidKV(beta=0.5), r"PyramidKV.beta must be a number in \[1.0"),
+    (lambda: AdaKV(safeguard=1.5), r"AdaKV.safeguard must be a finite number in \[0.0, 1.0\]"),
+    (lambda: PyramidKV(beta=0.5), r"PyramidKV.beta must be a finite number >= 1.0"),
     (lambda: StreamingLLM(budget=4, sinks=4), r"StreamingLLM.budget must be >= 5"),
     (lambda: H2O(budget=64, recent=64), r"H2O.recent \(64\) must be < budget \(64\)"),
-    (lambda: InfoKV(alpha=2.0), r"InfoKV.alpha must be a number in \[0.0, 1.0\]"),
+    (lambda: InfoKV(alpha=2.0), r"InfoKV.alpha must be a finite number in \[0.0, 1.0\]"),
     (lambda: BoundedCache(recent=8, chunk=16), r"BoundedCache.recent must be >= 16"),
     (lambda: LatentPolicy(budget=8, window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
@@ -508,7 +508,7 @@ def test_infokv_without_the_model_says_how_to_attach_it():
 def test_query_scoring_policies_without_hand_over_raise():
     cache = make_cache("snapkv", budget=4, window=2)
     cache.update(torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), 0)
-    with pytest.raises(RuntimeError, match=r"must call cache.observe_queries\(query_states, layer_idx\)"):
+    with pytest.raises(RuntimeError, match=r"call cache.observe_queries\(query_states, layer_idx\)"):
         cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
 
 

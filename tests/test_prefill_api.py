@@ -37,6 +37,11 @@ from flexentropy import EntropyConfig, sparse_prefill_attention
         ({"decode_delay": 0}, "decode_delay"),
         ({"decode_pool": 4}, "decode_pool"),
         ({"recompress_every": 0}, "recompress_every"),
+        # infinities passed validation once and gave inf/NaN budgets silently
+        *[({name: float("inf")}, f"{name} must be a finite number")
+          for name in ("base_budget", "budget_alpha", "fluctuation_threshold", "observation_scale",
+                       "max_budget_factor", "entropy_threshold")],
+        ({"budget_alpha": float("nan")}, "budget_alpha must be a finite number"),
     ],
 )
 def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
@@ -47,6 +52,10 @@ def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
 def test_config_rejects_wrong_types() -> None:
     with pytest.raises(TypeError, match="segment_size"):
         EntropyConfig(segment_size=512.0)
+    with pytest.raises(TypeError, match=r"EntropyConfig.base_budget must be a number, got str '2048'"):
+        EntropyConfig(base_budget="2048")
+    with pytest.raises(TypeError, match=r"EntropyConfig.budget_alpha must be a number, got bool"):
+        EntropyConfig(budget_alpha=True)
     with pytest.raises(TypeError, match="no field"):
         EntropyConfig().replace(segment=3)
 
@@ -59,7 +68,7 @@ def test_config_defaults_are_the_spec() -> None:
     assert (cfg.sink_blocks, cfg.local_blocks, cfg.dense_prefix, cfg.dense_last_segment) == (1, 0, 4096, True)
     assert cfg.dense_layers == (0,)
     assert (cfg.decode_budget, cfg.decode_window, cfg.decode_delay, cfg.decode_pool) == (1024, 32, 16, 5)
-    assert (cfg.decode_score, cfg.recompress_every) == ("softmax", None)
+    assert (cfg.decode_score, cfg.recompress_every) == ("softmax", 32)  # the budget bounds memory (None: paper)
 
 
 def _qkv(b: int = 1, hq: int = 4, hkv: int = 2, n: int = 300, d: int = 16, dtype: torch.dtype = torch.float32):
@@ -103,6 +112,32 @@ def test_bad_arguments_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="plan is for"):
         plan = fe.select_blocks(q, k, EntropyConfig(segment_size=128, dense_prefix=0))
         sparse_prefill_attention(q[..., :200, :], k[..., :200, :], v[..., :200, :], EntropyConfig(), plan=plan)
+
+
+def test_float64_gets_a_clear_error_compiled_and_runs_eagerly() -> None:
+    q, k, v = (t.double() for t in _qkv(n=512))
+    cfg = EntropyConfig(segment_size=128, block_size=128, base_budget=128, dense_prefix=128, dense_layers=())
+    with pytest.raises(TypeError, match=r"takes float16, bfloat16 or float32 inputs, got torch.float64.*compiled"):
+        sparse_prefill_attention(q, k, v, cfg)
+    with torch.no_grad():
+        out = sparse_prefill_attention(q, k, v, cfg, compiled=False)
+    assert out.dtype == torch.float64 and bool(out.isfinite().all())
+
+
+@pytest.mark.slow
+def test_a_nan_query_gives_a_nan_row_not_zeros() -> None:
+    """Dense and eager attention give NaN for a query holding NaN; the compiled CPU kernel gave zeros."""
+    q, k, v = _qkv(n=1024)
+    q[0, 1, 700, 3] = float("nan")
+    cfg = EntropyConfig(segment_size=128, block_size=128, base_budget=128, dense_prefix=256, dense_layers=())
+    with torch.no_grad():
+        plan = fe.select_blocks(q, k, cfg)
+        outs = [sparse_prefill_attention(q, k, v, cfg, plan=plan, compiled=c) for c in (True, False)]
+    for out in outs:
+        bad = out.isnan().any(dim=-1)
+        assert bad[0, 1, 700] and int(bad.sum()) == 1  # that row only
+    ok = ~outs[1].isnan()
+    torch.testing.assert_close(outs[0][ok], outs[1][ok], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -174,7 +209,7 @@ def test_hitting_the_recompile_limit_is_an_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr("flexentropy._compile.RECOMPILE_LIMIT", 1)
     # torch's own patch: monkeypatch's undo deleted the config attribute (pytest 9.2), which hides it for good
     with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(fe.RecompileLimitError, match="recompile limit"):
-        sparse_prefill_attention(q.double(), k.double(), v.double(), cfg)   # dtype change forces a recompile
+        sparse_prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cfg)   # dtype change: a recompile
 
 
 @pytest.mark.slow

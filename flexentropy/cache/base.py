@@ -217,12 +217,8 @@ class PolicyLayer(CacheLayerMixin):
                 f"forward's post-RoPE queries [B, Hq, q_len={q_len}, D], with the same q_len as update()'s key_states"
             )
         if self.prompt_length is not None:
-            if policy.requires_queries and policy.uses_queries and self.observed == 0:
-                raise RuntimeError(
-                    f"{self.owner} layer {self.layer_idx} ({policy.name}) scores with queries but none were handed "
-                    f"over for its prompt: the attention must call cache.observe_queries(query_states, layer_idx) with "
-                    f"its post-RoPE queries on every forward (flexentropy.enable(model) does)"
-                )
+            if policy.uses_queries and self.observed == 0:
+                self.missing_queries()
             if policy.needs_signals and self.signals_until < self.seen:
                 raise RuntimeError(
                     f"{self.owner} layer {self.layer_idx} ({policy.name}) needs the model's hidden states and "
@@ -247,6 +243,15 @@ class PolicyLayer(CacheLayerMixin):
         result = self._readable()
         self.settle()
         return result
+
+    def missing_queries(self) -> None:
+        """Raise: the layer stored a forward's keys but was handed none of its queries."""
+        raise RuntimeError(
+            f"{self.owner} layer {self.layer_idx} ({self.policy.name}) scores cache entries with the model's queries, "
+            f"but none were handed over: call flexentropy.enable(model) before running the model with this cache "
+            f"(its attention hands them over), or, from your own attention, call cache.observe_queries(query_states, "
+            f"layer_idx) with the post-RoPE queries on every forward"
+        )
 
     def settle(self) -> None:
         """Fold pending queries and apply ``policy.when_settled`` once keys, queries and signals cover the same
@@ -539,6 +544,9 @@ class PolicyCache(Cache):
                              f"+ [Dv], got {list(value_states.shape)}")
         batch, kv_heads, _, dim = key_states.shape
         self._check_dims(where, batch_size=batch, kv_heads=kv_heads, head_dim=dim, value_dim=value_states.shape[-1])
+        previous = self.layers[layer_idx - 1] if 0 < layer_idx <= len(self.layers) else None
+        if self.policy.uses_queries and previous is not None and previous.seen and not previous.observed:
+            previous.missing_queries()  # its attention ran without handing over queries: fail at the first forward
         return self._layer(layer_idx).update(key_states, value_states)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,

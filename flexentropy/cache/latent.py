@@ -23,9 +23,10 @@ tokens have been generated:
   budget are left alone); this is the paper's single latent eviction, scored with the window's queries: the last
   prompt queries, the ``decode_delay`` generated tokens' queries and, when handed over before ``update``, the
   current token's;
-* with ``recompress_every = R``, every later ``update`` that finds ``decode_budget + R`` entries stored evicts
-  again, so that at most ``decode_budget + R`` entries per head are stored or attended to (decoding one token at
-  a time).
+* with ``recompress_every = R`` (default 32), every later ``update`` that finds ``decode_budget + R`` entries
+  stored evicts again, so that at most ``decode_budget + R`` entries per head are stored or attended to (decoding
+  one token at a time); ``recompress_every=None`` evicts once, as the paper does, and the cache then grows by one
+  entry per generated token.
 
 The window's cached entries are always kept (so the cache never shrinks below the window) and kept entries stay in
 their original order; the cache keeps every entry's original position. RoPE positions are never changed:

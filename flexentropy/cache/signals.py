@@ -2,7 +2,7 @@
 read off the forward the model runs anyway.
 
 `attach_signals(model)` registers one forward hook per decoder layer (``model.get_decoder().layers``). Each hook
-finds the forward's cache in the layer's ``past_key_values`` keyword (HF decoder layers receive it) and, when that
+finds the forward's cache in the layer's ``cache`` (transformers >= 5.24) or ``past_key_values`` keyword and, when that
 cache wants signals (`PolicyCache.wants_signals`), hands it the layer's output hidden states; the last layer's hook
 also hands over its raw output with a function applying the final norm and the LM head, from which the cache takes
 the predictive distribution of *every* token of the forward (``generate`` computes logits for the last token only).
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from flexentropy.cache.keywords import cache_argument
 
 _HOOKS_ATTR = "_flexentropy_signal_hooks"
 
@@ -67,7 +69,7 @@ def attach_signals(model: nn.Module) -> None:
 
     def make_hook(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-            cache = kwargs.get("past_key_values")
+            cache = cache_argument(kwargs)
             if not getattr(cache, "wants_signals", False):
                 return
             hidden = output[0] if isinstance(output, tuple) else output

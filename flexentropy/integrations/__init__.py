@@ -4,9 +4,10 @@ in its attention interfaces (see :mod:`flexentropy.integrations.hf`)."""
 from flexentropy.integrations.hf import (
     ATTN_IMPLEMENTATION,
     SUPPORTED_MODEL_TYPES,
+    cache_keyword,
     enable,
     prefill_density,
     register,
 )
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "enable", "prefill_density", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "enable", "prefill_density", "register"]

@@ -15,8 +15,9 @@ How the pieces reach :func:`attention_forward`:
   ``model.config.flexentropy`` (so ``save_pretrained`` keeps them and ``from_pretrained(...,
   attn_implementation="flexentropy", flexentropy={...})`` sets them); each attention module parses it once into
   ``module.flexentropy_state`` (a `LayerState`, which also records the layer's last prefill density);
-* the cache: HF attention modules do not pass ``past_key_values`` on to the attention function, so :func:`enable`
-  registers a forward pre-hook on each attention module that copies its ``past_key_values`` argument into the
+* the cache: HF attention modules do not pass their cache argument (``cache`` from transformers 5.24,
+  ``past_key_values`` before) on to the attention function, so :func:`enable`
+  registers a forward pre-hook on each attention module that copies that argument into the
   keyword ``flexentropy_cache``, which the module forwards with its other ``**kwargs``. Nothing is stored between
   calls. When that cache is a flexentropy `PolicyCache` (`LatentKVCache` and the policies of
   :mod:`flexentropy.policies`), :func:`attention_forward` hands it the queries (``observe_queries``) on every
@@ -46,6 +47,7 @@ weights, causal attention only.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -58,9 +60,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from flexentropy.cache.base import PolicyCache
+from flexentropy.cache.keywords import cache_argument
 from flexentropy.config import EntropyConfig
 from flexentropy.policies import PREFILL_POLICIES, make_prefill
 from flexentropy.prefill import SparsePlan, select_blocks, sparse_prefill_attention
+from flexentropy.prefill.kernel import COMPILED_DTYPES
 
 ATTN_IMPLEMENTATION = "flexentropy"
 """The name under which flexentropy is registered in transformers' attention and mask interfaces."""
@@ -79,7 +83,7 @@ STATE_ATTR = "flexentropy_state"
 """Attribute of each attention module holding its parsed `LayerState`."""
 
 CACHE_KWARG = "flexentropy_cache"
-"""Keyword under which the pre-hook hands the module's ``past_key_values`` to :func:`attention_forward`."""
+"""Keyword under which the pre-hook hands the module's cache to :func:`attention_forward`."""
 
 _HOOK_ATTR = "_flexentropy_hook"
 
@@ -187,7 +191,7 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Sets ``attn_implementation="flexentropy"``, stores ``config`` and ``prefill`` on ``model.config.flexentropy``
-    and on every attention module, and registers the pre-hook that hands ``past_key_values`` (e.g. a
+    and on every attention module, and registers the pre-hook that hands the cache argument (e.g. a
     `LatentKVCache`) to the attention function. Calling it again replaces the settings.
 
     Args:
@@ -204,6 +208,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
     _check_prefill(prefill)
     check_supported(model.config)
+    if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
+        raise TypeError(f"flexentropy's sparse prefill runs compiled FlexAttention, which takes float16, bfloat16 or "
+                        f"float32; the model is {model.dtype}: load it in one of those (or use prefill='dense')")
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
@@ -227,6 +234,13 @@ def prefill_density(model: nn.Module) -> float | None:
     return sum(densities) / len(densities) if densities else None
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward and ``generate`` take a cache: ``"cache"`` (transformers >= 5.24)
+    or ``"past_key_values"`` (earlier). ``model.generate(ids, **{cache_keyword(model): cache})`` works on both."""
+    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile'd model wraps the original
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def _real_tokens(mask: torch.Tensor) -> torch.Tensor:
     """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
     padding."""
@@ -234,10 +248,10 @@ def _real_tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook: pass the module's ``past_key_values`` on as ``flexentropy_cache`` (see module doc); before
-    a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its ``update``) and, for a
-    sliding-window layer, its window."""
-    cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+    """Forward pre-hook: pass the module's cache (``cache`` or ``past_key_values``) on as ``flexentropy_cache`` (see
+    module doc); before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
+    ``update``) and, for a sliding-window layer, its window."""
+    cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
     if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
                 and mask.shape[-2] == mask.shape[-1]:

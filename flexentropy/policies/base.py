@@ -18,8 +18,7 @@ same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the sh
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -29,35 +28,6 @@ from flexentropy.prefill.plan import SparsePlan
 
 if TYPE_CHECKING:
     from flexentropy.cache.base import PolicyCache, PolicyLayer
-
-
-# --------------------------------------------------------------------------------------------------------------
-# knob validation
-
-
-def check_int(owner: str, name: str, value: object, minimum: int = 0) -> None:
-    """Raise unless ``value`` is an int (not a bool) ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
-
-
-def check_float(owner: str, name: str, value: object, low: float, high: float = math.inf) -> None:
-    """Raise unless ``value`` is a real number in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{owner}.{name} must be a number in [{low}, {high}], got {value!r}")
-
-
-def check_odd(owner: str, name: str, value: object) -> None:
-    check_int(owner, name, value, 1)
-    if value % 2 == 0:
-        raise ValueError(f"{owner}.{name} must be odd (1 = off), got {value}")
-
-
-def knob_names(cls: type) -> list[str]:
-    """The dataclass fields of a policy class (its knobs), in declaration order."""
-    return [f.name for f in fields(cls)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -119,8 +89,9 @@ class CachePolicy:
         ragged: per-head counts stored without padding.
         stats: per-entry statistics the cache stores and gathers with the entries, name -> fill value of new entries.
         accumulates: the cache hands every query to `on_queries` once its keys are stored (H2O).
-        requires_queries: a later forward without any handed-over prompt query is an error (policies that score
-            with queries; the latent cache checks lazily, when an eviction is due).
+
+    A policy that scores with queries (`uses_queries`) needs them handed over on every forward: the cache raises
+    at the first forward that stored keys without them.
     """
 
     name: ClassVar[str] = ""
@@ -131,7 +102,6 @@ class CachePolicy:
     ragged: ClassVar[bool] = False
     stats: ClassVar[dict[str, float]] = {}
     accumulates: ClassVar[bool] = False
-    requires_queries: ClassVar[bool] = True
 
     # -- what the cache needs from the model ----------------------------------------------------------------
     @property

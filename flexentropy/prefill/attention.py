@@ -31,7 +31,8 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         config: `EntropyConfig`.
         layer_idx: index of the layer (selects the dense layers).
         scale: softmax scale (default ``1 / sqrt(D)``).
-        compiled: False runs eager flex (N x N scores: tests and small N only).
+        compiled: False runs eager flex (N x N scores: tests and small N only). The compiled kernel takes
+            float16, bfloat16 and float32 (a float64 input raises ``TypeError``; eager flex takes it).
         plan: a precomputed plan for these q/k (e.g. from another policy); skips selection.
 
     Returns:

@@ -17,6 +17,9 @@ from torch.nn.attention.flex_attention import flex_attention
 from flexentropy._compile import no_silent_fallback
 from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, make_block_mask
 
+COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Input dtypes of the compiled kernel (Inductor has no float64 FlexAttention)."""
+
 
 @functools.cache
 def flash_available() -> bool:
@@ -74,6 +77,10 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     ``compiled=False`` runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores
     (small N only; used by the property tests). Output dtype = ``q.dtype``.
     """
+    if compiled and q.dtype not in COMPILED_DTYPES:
+        raise TypeError(f"the compiled sparse kernel (torch FlexAttention) takes float16, bfloat16 or float32 "
+                        f"inputs, got {q.dtype}: cast q/k/v (or load the model) in float32, or pass compiled=False "
+                        "(eager flex, N x N memory: small N only)")
     tensors = block_mask_tensors(plan.blocks, plan.seq_len, plan.block_size)
     if not compiled:
         return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
@@ -85,4 +92,8 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
         for indices in tensors[1::2]:
             torch._dynamo.maybe_mark_dynamic(indices, 3)
     with no_silent_fallback():
-        return _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)
+        out = _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)
+    # A query holding NaN or inf gives NaN scores, and dense attention a NaN row; the compiled CPU kernel returns
+    # zeros there instead. One pass over q marks such rows NaN (outside the compiled region: the CPU template takes
+    # no epilogue); other rows are untouched.
+    return out.masked_fill(~q.isfinite().all(dim=-1, keepdim=True), float("nan"))

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flexentropy._checks import check_number
 from flexentropy.cache.keep import keep_indices
-from flexentropy.policies.base import check_float
 from flexentropy.policies.cache.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class AdaKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float(type(self).__name__, "safeguard", self.safeguard, 0.0, 1.0)
+        check_number(type(self).__name__, "safeguard", self.safeguard, 0.0, 1.0)
 
     def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
         return adaptive_keep(self.ranked_scores(layer), target, self.forced(layer, 0), self.safeguard)

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_int
+from flexentropy._checks import check_int
+from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.infokv import InfoScoring, fused_scores
 
 if TYPE_CHECKING:

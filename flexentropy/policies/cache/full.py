@@ -15,4 +15,3 @@ class FullCache(CachePolicy):
     paper = "no compression"
     keeps = "everything"
     decides = "never"
-    requires_queries = False

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_int
+from flexentropy._checks import check_int
+from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import accumulate_attention
 
 if TYPE_CHECKING:

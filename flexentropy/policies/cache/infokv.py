@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_float, check_int, check_odd
+from flexentropy._checks import check_int, check_number, check_odd
+from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
 
 if TYPE_CHECKING:
@@ -77,8 +78,8 @@ class InfoScoring:
 
     def check_scoring(self, owner: str) -> None:
         check_int(owner, "window", self.window, 1)
-        check_float(owner, "alpha", self.alpha, 0.0, 1.0)
-        check_float(owner, "tau", self.tau, 0.0)
+        check_number(owner, "alpha", self.alpha, 0.0, 1.0)
+        check_number(owner, "tau", self.tau, 0.0)
         check_int(owner, "top_k", self.top_k, 1)
 
     @property

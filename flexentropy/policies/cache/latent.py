@@ -26,15 +26,15 @@ class LatentPolicy(CachePolicy):
     name = "latent"
     paper = "EntropyInfer (From Rigid to Dynamic, 2026), sec. 4.3, Alg. 4"
     keeps = "query window's own entries + top window-attention entries (pooled), budget per KV head"
-    decides = "after `delay` generated tokens (window includes them), optionally every `recompress_every`"
-    requires_queries = False  # checked when an eviction is due (SPEC 2 contract)
+    decides = ("after `delay` generated tokens (window includes them), then whenever `budget + recompress_every` are "
+               "stored (None: once, as the paper)")
 
     budget: int = 1024
     window: int = 32
     delay: int = 16
     pool: int = 5
     score: Literal["softmax", "raw"] = "softmax"
-    recompress_every: int | None = None
+    recompress_every: int | None = 32
 
     def __post_init__(self) -> None:
         self.to_config()  # validates every knob

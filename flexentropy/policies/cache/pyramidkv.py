@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flexentropy.policies.base import check_float
+from flexentropy._checks import check_number
 from flexentropy.policies.cache.snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float(type(self).__name__, "beta", self.beta, 1.0)
+        check_number(type(self).__name__, "beta", self.beta, 1.0)
 
     def layer_budget(self, layer: PolicyLayer) -> int:
         if layer.num_layers is None:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_int, check_odd
+from flexentropy._checks import check_int, check_odd
+from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
 
 if TYPE_CHECKING:

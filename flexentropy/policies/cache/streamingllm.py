@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexentropy.policies.base import CachePolicy, check_int
+from flexentropy._checks import check_int
+from flexentropy.policies.base import CachePolicy
 
 if TYPE_CHECKING:
     from flexentropy.cache.base import PolicyLayer
@@ -26,7 +27,6 @@ class StreamingLLM(CachePolicy):
     paper = "StreamingLLM (Xiao et al., ICLR 2024)"
     keeps = "first `sinks` tokens + most recent ones, `budget` per KV head"
     decides = "after the prompt's forward, then before every append"
-    requires_queries = False
 
     budget: int = 4096
     sinks: int = 4

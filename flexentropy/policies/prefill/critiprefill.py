@@ -2,12 +2,12 @@
 
 SPEC 3: SPEC 1.1-1.5 with ``observation="critiprefill"`` (one softmax over ``max(mean(S1, S3), mean(S2, S4))``) and
 the same ``k = floor(B_0 / L_B)`` blocks for every head and segment. That is EntropyInfer's selection with every head
-rigid, so the plan reuses `select_blocks` (and its compiled graph on CUDA) with ``entropy_threshold = inf``.
+rigid, so the plan reuses `select_blocks` (and its compiled graph on CUDA) with an entropy threshold above any
+entropy.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +17,10 @@ from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.observation import OBSERVATIONS
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import select_blocks
+
+EVERY_HEAD_RIGID = 1e30
+"""An entropy threshold above any segment entropy (rows of A_obs sum to at most 2, so entropies are below
+2 ln C_B): every head is rigid."""
 
 
 @dataclass(frozen=True)
@@ -41,5 +45,5 @@ class CritiPrefill(PrefillPolicy):
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """`select_blocks` with every head rigid: budgets ``B_0`` everywhere (``plan.rigid`` all True)."""
-        config = self.config.replace(observation=self.observation, entropy_threshold=math.inf)
+        config = self.config.replace(observation=self.observation, entropy_threshold=EVERY_HEAD_RIGID)
         return select_blocks(q, k, config, layer_idx)

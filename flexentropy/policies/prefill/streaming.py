@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy._checks import check_layer_idx, check_qk
-from flexentropy.policies.base import PrefillPolicy, check_int
+from flexentropy._checks import check_int, check_layer_idx, check_qk
+from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import block_table, dense_plan
 

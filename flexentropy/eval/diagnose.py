@@ -26,7 +26,7 @@ Runs on CPU at small lengths (tests: a tiny random model); on a GPU (bf16), e.g.
 32k, 24 samples, the paper's geometry with a 2048 dense prefix (see ``docs/quality.md``)::
 
     python -m flexentropy.eval diagnose --model qwen2.5-coder-0.5b --task niah_single --lengths 16384 32768 \\
-        --samples 24 --prefill entropy --budget 1024 --segment-size 512 --block-size 128 --dense-prefix 2048
+        --samples 24 --prefill entropy --budgets 1024 --segment-size 512 --block-size 128 --dense-prefix 2048
 """
 
 from __future__ import annotations
@@ -387,7 +387,8 @@ def diagnose_sample(loaded: Loaded, policy: Any, task: str, length: int, index: 
     for layer in capture_qkv(model, ids):
         if config.is_dense_layer(layer.layer_idx, len(ids)):
             continue
-        plan = policy.plan(layer.q, layer.k, layer.layer_idx)
+        with torch.compiler.set_stance("force_eager"):  # a batch of 1 would compile the selection once more
+            plan = policy.plan(layer.q, layer.k, layer.layer_idx)
         layers[layer.layer_idx] = layer_fidelity_tail(layer.q[0], layer.k[0], layer.v[0], layer.scale, plan, layout,
                                                       config)
 

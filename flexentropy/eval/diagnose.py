@@ -465,7 +465,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """A few lines for the terminal: scores and density per variant, the layout checks, the worst layers."""
+    """A few lines for the terminal: scores and density per variant, the layout checks, the worst layers, and each
+    variant's drift at the last layer."""
     lines = [f"{summary['samples']} samples, dense score {summary['dense_score']}"]
     for spec, v in summary["variants"].items():
         lines.append(f"  {spec:>20}: score {v['score']}  (where dense is right: {v['score_where_dense_right']})  "
@@ -476,6 +477,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         worst = sorted(needle, key=lambda lk: lk[1])[:5]
         lines.append("  needle blocks kept after the needle, lowest layers: "
                      + ", ".join(f"L{layer} {kept:.2f}" for layer, kept in worst))
+    last = summary["layers"][-1]["drift"]
+    lines.append("  tail drift from dense at the last layer: " + ", ".join(f"{s} {d}" for s, d in last.items()))
     fidelity = [(e["layer"], e["fidelity"]["question_error"]) for e in summary["layers"] if "fidelity" in e]
     if fidelity:
         worst = sorted(fidelity, key=lambda lf: -(lf[1] or 0))[:5]

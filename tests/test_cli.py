@@ -82,6 +82,8 @@ def test_prompt_file_and_own_question(tiny_model: Path, tmp_path: Path, capsys: 
     ("missing", [], "model path not found"),
     ("gpt2", [], "supports model types .* got 'gpt2'"),
     ("tiny", ["--context-length", "2000"], "exceeds the model's context of 1024 tokens"),
+    ("tiny", ["--yarn", "2", "--context-length", "3000"], "exceeds the model's context of 2048 tokens"),
+    ("tiny", ["--yarn", "1"], "YaRN factor must be > 1"),
     ("tiny", ["--prompt-file", "no/such/file.txt"], "prompt file not found"),
     ("tiny", ["--needle-depth", "1.5"], r"--needle-depth must be in \[0, 1\]"),
     ("tiny", ["--segment-size", "100"], "segment_size must be a positive multiple of 128"),

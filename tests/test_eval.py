@@ -503,3 +503,66 @@ def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monk
     plan.write_text("# nothing\n")
     with pytest.raises(SystemExit, match="holds no `run` line"):
         cli.main(["plan", str(plan)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# diagnose
+
+
+def test_variants_and_token_search() -> None:
+    from flexentropy.eval.diagnose import Layout, Variant, find_tokens
+
+    assert Variant.parse("question") == Variant("question", "question")
+    assert Variant.parse("all@:12") == Variant("all@:12", "all", None, 12)
+    assert Variant.parse("after_needle@3") == Variant("after_needle@3", "after_needle", 3, 4)
+    assert [i for i in range(24) if Variant.parse("all@20:").covers(i, 24)] == [20, 21, 22, 23]
+    for bad in ("nowhere", "all@a:b"):
+        with pytest.raises(ValueError, match="variant"):
+            Variant.parse(bad)
+    ids = torch.tensor([5, 1, 2, 3, 9, 1, 2, 3])
+    assert find_tokens(ids, [1, 2, 3]) == 1 and find_tokens(ids, [1, 2, 3], last=True) == 5
+    with pytest.raises(ValueError, match="not found"):
+        find_tokens(ids, [3, 3])
+    layout = Layout(1000, ((300, 320), (650, 660)), 900)
+    assert layout.needle_blocks(64) == [4, 10]
+    assert layout.region("question").nonzero().flatten().tolist() == [7]
+    assert layout.region("after_needle").nonzero().flatten().tolist() == [2, 3, 4, 5, 6]
+    described = layout.describe(EntropyConfig(segment_size=256, block_size=64, dense_prefix=512))
+    assert described["last_segment_tokens"] == 232 and described["question_segments"] == [3]
+    assert described["question_dense_share"] == 1.0 and described["needles_in_dense_prefix"] == [True, False]
+
+
+def test_diagnose_localises_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``diagnose`` end to end: every hybrid row, drift 0 where the inputs and the question rows are dense, the
+    needle statistics of the sparse row, and one JSON with the summary."""
+    from flexentropy.eval import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *args: loaded)
+    argv = ["diagnose", "--task", "niah_multikey", "--lengths", "1500", "--samples", "1", "--budgets", "64",
+            "--segment-size", "128", "--block-size", "64", "--dense-prefix", "256", "--max-new-tokens", "3",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "smollm2" / "niah_multikey_1500_dp256_entropy-b64.json").read_text())
+    record, summary = data["samples"][0], data["summary"]
+    assert data["meta"]["variants"] == ["none", "all", "question", "after_needle", "all@:1", "all@1:", "all@:0",
+                                        "all@2:"]
+    sample = make_sample("niah_multikey", 1500, 0, TOKENIZER)
+    ids = sample_ids(TOKENIZER, sample)
+    layout = record["layout"]
+    (start, stop), = layout["needles"]
+    asked = sample.meta["values"][sample.meta["asked"][0]][0]
+    assert asked in TOKENIZER.decode(ids[start:stop]) and layout["tokens"] == len(ids)
+    assert TOKENIZER.decode(ids[layout["question_start"]:]).startswith("\n" + sample.question)
+    variants = record["variants"]
+    assert variants["all"]["density"] == 1.0 and variants["all@1:"]["density"] == 1.0
+    assert variants["none"]["density"] < variants["after_needle"]["density"] < 1.0
+    assert variants["all@:1"]["density"] == variants["none"]["density"]  # layer 0 is dense anyway
+    layer0, layer1 = record["layers"]
+    assert set(layer0) == {"layer", "drift"} and all(d < 1e-5 for d in layer0["drift"].values())
+    assert layer1["drift"]["all"] < 1e-4 and layer1["drift"]["none"] > 1e-3
+    assert layer1["drift"]["question"] == pytest.approx(0.0, abs=1e-4)  # identical inputs, dense question rows
+    needle = layer1["needle"]
+    assert 0 <= needle["kept"] <= 1 and len(needle["kept_by_head"]) == 4 and 0 <= needle["kept_question"] <= 1
+    assert needle["rank_median"] >= 0 and needle["k_median"] == 1.0  # B_0 64 = one block of 64
+    assert layer1["fidelity"]["question_error"] > 0
+    assert summary["samples"] == 1 and set(summary["variants"]) == set(variants)

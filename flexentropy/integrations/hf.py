@@ -48,6 +48,7 @@ weights, causal attention only.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -87,6 +88,10 @@ CACHE_KWARG = "flexentropy_cache"
 
 _HOOK_ATTR = "_flexentropy_hook"
 
+PlanEdit = Callable[[int, torch.Tensor, torch.Tensor, SparsePlan], SparsePlan]
+"""``(layer_idx, query [B, Hq, N, D], key [B, Hkv, N, D], plan) -> plan``: applied to each sparse prefill plan before
+the kernel runs it (`LayerState.plan_edit`; diagnostics such as hybrid dense/sparse runs)."""
+
 
 @dataclass
 class LayerState:
@@ -98,11 +103,14 @@ class LayerState:
         plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
             empty before any prefill, for sliding-window layers, and under ``torch.compile``. Kept as tensors so
             the prefill path never waits on the GPU; `density` reads them on request.
+        plan_edit: None, or a `PlanEdit` that replaces each sparse plan of this layer before it runs (the recorded
+            plans are the edited ones); `enable` resets it.
     """
 
     config: EntropyConfig
     prefill: str
     plans: list[SparsePlan | None] = field(default_factory=list)
+    plan_edit: PlanEdit | None = None
 
     @property
     def density(self) -> float | None:
@@ -334,7 +342,8 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
         _record(state, [] if sliding_window is not None else [None])
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
     if mask is None:
-        out, plan = _sparse(query, key, value, state.config, module.layer_idx, scaling, state.prefill)
+        out, plan = _sparse(query, key, value, state.config, module.layer_idx, scaling, state.prefill,
+                            state.plan_edit)
         _record(state, [plan])
         return out.transpose(1, 2).contiguous(), None
     if mask.dtype != torch.bool:
@@ -355,7 +364,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
             span = slice(start, stop)
             row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
             out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state.config, module.layer_idx, scaling,
-                                               state.prefill)
+                                               state.prefill, state.plan_edit)
         else:
             out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
                                                        scale=scaling, enable_gqa=True)
@@ -366,12 +375,16 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
 
 
 def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: EntropyConfig, layer_idx: int,
-            scaling: float | None, prefill: str = "entropy") -> tuple[torch.Tensor, SparsePlan]:
-    """Sparse prefill of one layer under prefill policy ``prefill``: ``([B, Hq, N, Dv], plan)``."""
+            scaling: float | None, prefill: str = "entropy", edit: PlanEdit | None = None
+            ) -> tuple[torch.Tensor, SparsePlan]:
+    """Sparse prefill of one layer under prefill policy ``prefill`` (its plan through ``edit`` when given):
+    ``([B, Hq, N, Dv], plan)``."""
     if prefill == "entropy":
         plan = select_blocks(query, key, config, layer_idx)
     else:  # the other policies of flexentropy.PREFILL_POLICIES, on the same kernel
         plan = make_prefill(prefill, config).plan(query, key, layer_idx)
+    if edit is not None:
+        plan = edit(layer_idx, query, key, plan)
     return sparse_prefill_attention(query, key, value, config, layer_idx, scale=scaling, plan=plan), plan
 
 

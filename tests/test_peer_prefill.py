@@ -4,7 +4,11 @@ entry points (``make_prefill``, ``fe.enable``, the CLI, the evaluation's budget 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +268,62 @@ def test_cli_accepts_the_peers():
 
     for name in PEERS:
         assert build_parser().parse_args(["--prefill", name]).prefill == name
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the GPU benchmark (profiling/peers.py): CPU smoke run and the adapters' plumbing on stand-ins of the released code
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[1] / "profiling" / "peers.py"
+    spec = importlib.util.spec_from_file_location("profiling_peers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAKE_FLEXPREFILL = '''
+import torch, torch.nn.functional as F
+def get_active_blocks(q, k, v, block_size, gamma, min_budget, max_budget, tau, gqa_interleave):
+    c = -(-q.shape[1] // block_size)
+    flat = torch.tensor([r * c + j for r in range(c) for j in (0, r)])     # sink column and diagonal
+    return [[flat for _ in range(q.shape[2])] for _ in range(q.shape[0])]
+def flex_prefill_attention(q, k, v, gamma, tau, min_budget=None, block_size=128):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+'''
+FAKE_XATTENTION = '''
+import torch
+def xattn_estimate(q, k, block_size, stride, threshold, chunk_size, use_triton, causal):
+    assert q.shape[1] == k.shape[1] and chunk_size % block_size == 0
+    c = -(-q.shape[2] // chunk_size) * chunk_size // block_size
+    return None, torch.ones(q.shape[0], q.shape[1], c, c, dtype=torch.bool).tril()
+'''
+
+
+def test_peers_benchmark_runs_and_its_adapters_plumb_shapes(tmp_path, monkeypatch):
+    bench = _bench_module()
+    out = tmp_path / "peers.json"
+    bench.main(["--tiny", "--contexts", "900", "--inputs", "structured", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == list(bench.POLICIES)
+    assert all(0 < r["density"] <= 1 and r["rel_l2_vs_dense"] < 0.5 for r in rows)
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    absent = bench.load_official(tmp_path / "absent")                            # reported, not raised
+    assert isinstance(absent["flexprefill"], str) and isinstance(absent["xattention"], str)
+    for folder, text in (("FlexPrefill/flex_prefill/ops/flex_prefill_attention.py", FAKE_FLEXPREFILL),
+                         ("x-attention/xattn/src/Xattention.py", FAKE_XATTENTION)):
+        (tmp_path / "official" / folder).parent.mkdir(parents=True)
+        (tmp_path / "official" / folder).write_text(text)
+    found = bench.load_official(tmp_path / "official")
+    config = EntropyConfig(segment_size=256, base_budget=256, dense_prefix=512)
+    q, k, v = make_qkv({"batch": 1, "hq": 4, "hkv": 2, "n": 700, "d": 16, "dtype": torch.float32, "seed": 0})
+    flex, xatt = bench.bench_official(bench.Runner(q, k, v, config, 1), found)
+    assert flex["density"] == pytest.approx((6 + 5) / 21) and flex["rel_l2_vs_dense"] < 1e-5
+    assert 0 < flex["iou_vs_ours"] <= 1 and flex["rel_l2_their_blocks_our_kernel"] > 0
+    assert xatt["density"] == 1.0 and xatt["rel_l2_their_blocks_our_kernel"] < 1e-5 and "kernel_ms" not in xatt
+    assert 0 < xatt["iou_vs_ours"] <= 1 and 0 < xatt["ours_matched_density"] <= 1

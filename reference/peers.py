@@ -88,7 +88,7 @@ def last_attention(q: torch.Tensor, k: torch.Tensor, b: int, h: int, count: int)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# XAttention (Xu et al., ICML 2025, sec. 2.1-2.2)
+# XAttention (Xu et al., ICML 2025): antidiagonal scoring, threshold block selection
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -135,7 +135,7 @@ def xattention_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, t
 
 
 # --------------------------------------------------------------------------------------------------------------
-# FlexPrefill (Lai et al., ICLR 2025, sec. 3, Alg. 1-3)
+# FlexPrefill (Lai et al., ICLR 2025, sec. 3): pattern determination, cumulative-attention selection
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -209,7 +209,7 @@ def flexprefill_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# MInference vertical-slash (Jiang et al., NeurIPS 2024, sec. 3.2, Alg. 3)
+# MInference vertical-slash (Jiang et al., NeurIPS 2024, sec. 3)
 # --------------------------------------------------------------------------------------------------------------
 
 

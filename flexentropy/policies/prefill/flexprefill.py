@@ -1,5 +1,6 @@
 """``flexprefill``: per head, a query-aware or a vertical-slash block pattern, each the fewest blocks reaching an
-estimated attention mass ``gamma`` (FlexPrefill, Lai et al., ICLR 2025, sec. 3, Alg. 1-3)."""
+estimated attention mass ``gamma`` (FlexPrefill, Lai et al., ICLR 2025, sec. 3: query-aware sparse pattern
+determination, cumulative-attention based index selection)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ class FlexPrefillEstimate(NamedTuple):
 
     Attributes:
         vertical: ``[B, Hq, C_B]`` attention of the last query block per key block (mean over its queries; sums
-            to 1): the true distribution ``a`` of Alg. 1, pooled to blocks.
+            to 1): the true distribution of the pattern test, pooled to blocks.
         slash: ``[B, Hq, C_B]`` the same attention per block diagonal ``o`` (query's key block minus key block).
-        pooled: ``[B, Hq, C_B]`` the estimate ``softmax(mean(q_last) . mean_block(k) / sqrt(D))`` (Alg. 1).
+        pooled: ``[B, Hq, C_B]`` the pattern test's estimate ``softmax(mean(q_last) . mean_block(k) / sqrt(D))``.
         divergence: ``[B, Hq]`` ``sqrt(JSD(pooled, vertical))`` (natural log; at most ``sqrt(ln 2)``).
         query_aware: bool ``[B, Hq]`` heads with ``divergence < tau``.
-        block_mass: ``[B, Hq, C_Q, C_B]`` query-aware estimate (Alg. 2): per query block, the softmax of its mean
+        block_mass: ``[B, Hq, C_Q, C_B]`` query-aware estimate: per query block, the softmax of its mean
             query against the mean keys of its causal key blocks (rows sum to 1, non-causal 0).
     """
 
@@ -72,11 +73,12 @@ class FlexPrefill(PrefillPolicy):
 
     From the last query block (the last 128 queries; `FlexPrefillEstimate`): the true attention per key block and
     per block diagonal, and a pooled estimate from mean query and mean keys. Where the square-rooted Jensen-Shannon
-    divergence between estimate and truth is below ``tau`` (sec. 3.2, Alg. 1), the pooled estimate is trusted and
-    the head is query-aware: it keeps the fewest (query block, key block) pairs of ``block_mass`` whose mass, with
-    the blocks every policy keeps, reaches ``gamma`` of the head's total (Alg. 2, over the whole flattened table).
-    Otherwise it is vertical-slash: the fewest key-block columns and the fewest block diagonals each reaching
-    ``gamma`` of the last block's attention (Alg. 3; sink blocks and the main diagonal, always kept, count first).
+    divergence between estimate and truth is below ``tau`` (query-aware sparse pattern determination), the pooled
+    estimate is trusted and the head is query-aware: it keeps the fewest (query block, key block) pairs of
+    ``block_mass`` whose mass, with the blocks every policy keeps, reaches ``gamma`` of the head's total
+    (cumulative-attention index selection, over the whole flattened table). Otherwise it is vertical-slash: the fewest
+    key-block columns and the fewest block diagonals each reaching ``gamma`` of the last block's attention (the same
+    selection on the vertical and slash sums; sink blocks and the main diagonal, always kept, count first).
     Every head also keeps the top ``ceil(min_budget / L_B)`` columns and diagonals (at least ``min_budget`` tokens
     of each, as the released code does).
 

@@ -1,5 +1,5 @@
 """``vertical_slash``: MInference's vertical-slash pattern run as the blocks that hold it (MInference 1.0, Jiang et
-al., NeurIPS 2024, sec. 3.2, Alg. 3)."""
+al., NeurIPS 2024, sec. 3: the vertical-slash head and its online index estimate)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class VerticalSlash(PrefillPolicy):
     the queries) and the top ``slash`` diagonals (summed along each offset ``i - j``), the first 30 columns and the
     100 diagonals nearest the main one ranked first (MInference's kernel); run as the blocks holding them
     (`pattern_blocks`) with the shared fixed blocks. MInference picks the pattern per head offline; this policy runs
-    the vertical-slash pattern in every head, with the online index estimate of its Alg. 3.
+    the vertical-slash pattern in every head, with MInference's online index estimate.
 
     Knobs: ``vertical`` (1000) and ``slash`` (6096), MInference's setting for 128k prompts; counts of at least N
     keep every causal block. Unbudgeted: fixed counts, not ``config.base_budget``. docs/prefill.md says what the

@@ -1,5 +1,5 @@
 """``xattention``: blocks by strided antidiagonal scores, the fewest per query block reaching a mass threshold
-(XAttention, Xu et al., ICML 2025, sec. 2.1-2.2)."""
+(XAttention, Xu et al., ICML 2025: antidiagonal scoring, threshold block selection)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CHUNK_SCORES = 2**28
 
 
 def antidiagonal_block_mass(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> torch.Tensor:
-    """XAttention's block importance (sec. 2.1): per query block of 128 tokens and key block of ``block_size``.
+    """XAttention's block importance (antidiagonal scoring) per query block of 128 tokens and key block.
 
     Tokens are grouped in tiles of ``S = stride``. The score of query tile ``t`` and key tile ``u`` is the sum of
     one antidiagonal of their ``S x S`` logits, ``sum_a q[tS + S-1-a] . k[uS + a] / (sqrt(D) S)`` (one dot product
@@ -71,7 +71,8 @@ def antidiagonal_block_mass(q: torch.Tensor, k: torch.Tensor, stride: int, block
 class XAttention(PrefillPolicy):
     """Per head and query block (128 tokens), the fewest key blocks by antidiagonal score whose estimated mass,
     together with the blocks every policy keeps (own segment, sinks, local blocks: their mass counts first, as
-    XAttention counts its sink and diagonal blocks first), reaches ``threshold`` of the row's mass (sec. 2.2).
+    XAttention counts its sink and diagonal blocks first), reaches ``threshold`` of the row's mass (threshold block
+    selection).
 
     Knobs: ``threshold`` (0.9, the paper's setting for Llama-3.1-8B; 1.0 keeps every causal block), ``stride``
     (S = 8; must divide ``config.block_size``). Unbudgeted: the threshold, not ``config.base_budget``, sets the

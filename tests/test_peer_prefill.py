@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -322,8 +323,11 @@ def test_peers_benchmark_runs_and_its_adapters_plumb_shapes(tmp_path, monkeypatc
     found = bench.load_official(tmp_path / "official")
     config = EntropyConfig(segment_size=256, base_budget=256, dense_prefix=512)
     q, k, v = make_qkv({"batch": 1, "hq": 4, "hkv": 2, "n": 700, "d": 16, "dtype": torch.float32, "seed": 0})
-    flex, xatt = bench.bench_official(bench.Runner(q, k, v, config, 1), found)
+    runner = bench.Runner(q, k, v, config, 1)
+    flex, xatt = bench.bench_official(runner, found)
     assert flex["density"] == pytest.approx((6 + 5) / 21) and flex["rel_l2_vs_dense"] < 1e-5
     assert 0 < flex["iou_vs_ours"] <= 1 and flex["rel_l2_their_blocks_our_kernel"] > 0
     assert xatt["density"] == 1.0 and xatt["rel_l2_their_blocks_our_kernel"] < 1e-5 and "kernel_ms" not in xatt
     assert 0 < xatt["iou_vs_ours"] <= 1 and 0 < xatt["ours_matched_density"] <= 1
+    broken = types.SimpleNamespace(xattn_estimate=lambda *a, **kw: 1 / 0)        # a failing peer is a row, not a crash
+    assert bench.bench_official(runner, {**found, "xattention": broken})[1]["error"].startswith("ZeroDivisionError")

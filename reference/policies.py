@@ -19,6 +19,7 @@ import torch
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
 from reference import cache as ref_cache
+from reference import peers as ref_peers
 from reference import prefill as ref_prefill
 
 F64 = torch.float64
@@ -73,13 +74,15 @@ def _causal_table(q: torch.Tensor, block_size: int) -> torch.Tensor:
 def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1,
                    **knobs: object) -> torch.Tensor:
     """Block table ``[B, Hq, C_Q, C_B]`` of prefill policy ``name`` (``dense``, ``entropy``, ``critiprefill``,
-    ``streaming``) for one layer; dense layers (``config.dense_layers``, ``N <= dense_prefix``) get every causal block.
+    ``streaming``, ``flexprefill``, ``xattention``, ``vertical_slash``) for one layer; dense layers
+    (``config.dense_layers``, ``N <= dense_prefix``) get every causal block.
 
     * ``entropy``: :func:`reference.prefill.select_blocks` (SPEC 1).
     * ``critiprefill``: observation attention ``knobs["observation"]`` (default ``"critiprefill"``), then per
       segment the top ``floor(B_0 / L_B)`` non-forced candidates, the same for every head.
     * ``streaming``: the forced blocks only, with ``ceil(knobs["window"] / L_B)`` local blocks (default
       ``config.base_budget`` tokens).
+    * ``flexprefill``, ``xattention``, ``vertical_slash``: :mod:`reference.peers` with ``knobs``.
     """
     n = q.shape[2]
     if name == "dense" or layer_idx in config.dense_layers or n <= config.dense_prefix:
@@ -96,6 +99,10 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
         window = knobs.get("window")
         window = int(config.base_budget) if window is None else int(window)
         return _segment_rows(q, config, None, 0, _ceil_div(window, config.block_size))
+    peers = {"flexprefill": ref_peers.flexprefill_blocks, "xattention": ref_peers.xattention_blocks,
+             "vertical_slash": ref_peers.vertical_slash_blocks}
+    if name in peers:
+        return peers[name](q, k, config, **knobs)
     raise ValueError(f"unknown prefill policy {name!r}")
 
 

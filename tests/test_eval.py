@@ -17,6 +17,7 @@ import torch
 
 from flexentropy import EntropyConfig, select_blocks, sparse_prefill_attention
 from flexentropy.eval import metrics, resolve, runner
+from flexentropy.eval.capture import LayerQKV
 from flexentropy.eval.entropy_maps import analyse, class_changes, entropy_profile, rank_correlation
 from flexentropy.eval.fidelity import BlockAttention, layer_fidelity, plan_layer, sparse_rows, token_rows
 from flexentropy.eval.runner import (
@@ -276,6 +277,26 @@ def test_batched_run_equals_solo_runs(tmp_path: Path, loaded: Loaded, monkeypatc
         assert b["density"] == pytest.approx(sum(r["density"] for r in solo[:3]) / 3 if b["index"] < 3
                                              else sum(r["density"] for r in solo[3:]) / 2)
     assert (solo[0]["density"] < 1.0) == (prefill == "entropy")
+
+
+@pytest.mark.parametrize(("prefill", "budget"), [("flexprefill", 64), ("xattention", None),
+                                                ("vertical_slash", None)])
+def test_peer_prefills_run_through_the_evaluation(tmp_path: Path, loaded: Loaded, prefill: str,
+                                                  budget: int | None) -> None:
+    """Issue 15's prefills by name: a budgeted ``flexprefill`` run (the budget is its ``min_budget``), the unbudgeted
+    others once; ``fidelity``'s planning takes them too."""
+    assert [(s.prefill, s.prefill_budget) for s in expand_grid(["niah_single"], [1100], [prefill], ["full"],
+                                                               prefill_budgets=[64, 128])] == \
+        ([(prefill, 64), (prefill, 128)] if budget else [(prefill, None)])
+    spec = RunSpec("niah_single", 1100, prefill, "full", prefill_budget=budget)
+    assert run(spec, 1, tmp_path, lambda: loaded).status == "ran"
+    record = records_of(tmp_path, spec)[0]
+    assert 0 < record["density"] <= 1 and record["answers"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 600, 16, generator=gen) for h in (4, 2, 2))
+    layer = LayerQKV(1, q, k, v, 0.25)
+    plans = plan_layer(layer, [prefill], [64, 128], spec.config)
+    assert set(plans) == ({(prefill, 64), (prefill, 128)} if budget else {(prefill, None)})
 
 
 def test_bounded_cache_runs_one_by_one(tmp_path: Path, loaded: Loaded) -> None:

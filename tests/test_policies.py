@@ -57,7 +57,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registries_hold_every_policy_of_spec_3():
-    assert list(PREFILL_POLICIES) == ["dense", "entropy", "critiprefill", "streaming"]
+    assert list(PREFILL_POLICIES) == ["dense", "entropy", "critiprefill", "streaming", "flexprefill", "xattention",
+                                     "vertical_slash"]
     assert list(CACHE_POLICIES) == ["full", "latent", "snapkv", "adakv", "pyramidkv", "streamingllm", "h2o", "infokv",
                                     "bounded"]
     for name, cls in PREFILL_POLICIES.items():
@@ -139,6 +140,8 @@ def test_policies_are_frozen_and_typed():
        layer_idx=st.sampled_from([0, 1]))
 def test_prefill_plans_match_reference(case, name, window, observation, layer_idx):
     q, k, _ = make_qkv(case)
+    if name in ("flexprefill", "xattention", "vertical_slash"):  # mass thresholds: decided in float64 on both sides
+        q, k = q.double(), k.double()
     config = case["config"]
     knobs = {"streaming": {"window": window}, "critiprefill": {"observation": observation}}.get(name, {})
     plan = make_prefill(name, config, **knobs).plan(q, k, layer_idx)

@@ -26,7 +26,7 @@ How the pieces reach :func:`attention_forward`:
 What runs:
 
 * prefill (``L == S``: no past): layers that go sparse (not in ``config.dense_layers``, no sliding window, a sparse
-  prefill policy: ``"entropy"``, ``"critiprefill"``, ``"streaming"``) run the policy's plan (`select_blocks` for
+  prefill policy: every name of `PREFILL_POLICIES` but ``"dense"``) run the policy's plan (`select_blocks` for
   ``"entropy"``) + `sparse_prefill_attention`; the others run HF's SDPA attention with the
   mask HF built (Gemma3's sliding-window layers stay exactly as they are). Padding: the mask of a padded batch is
   read as causal attention plus key padding; each row's real tokens (the mask's diagonal) are attended on their
@@ -74,8 +74,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 """``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
 
 PREFILL_MODES = tuple(PREFILL_POLICIES)
-"""Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1) and ``"critiprefill"``,
-``"streaming"`` (SPEC 3) on the layers that go sparse; ``"dense"``: SDPA everywhere."""
+"""Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1) and the other sparse policies
+(SPEC 3, issue 15) on the layers that go sparse; ``"dense"``: SDPA everywhere."""
 
 CONFIG_ATTR = "flexentropy"
 """Attribute of the model config holding ``{"prefill": mode, **EntropyConfig fields}``."""
@@ -206,8 +206,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
         config: knobs of sparse prefill and of `LatentKVCache` (default ``EntropyConfig()``).
         prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1), ``"dense"`` (SDPA
-            prefill, e.g. to measure a cache policy alone), ``"critiprefill"`` or ``"streaming"`` (SPEC 3; their
-            budget and geometry come from ``config``).
+            prefill, e.g. to measure a cache policy alone), or another sparse policy (``"critiprefill"``,
+            ``"streaming"``, ``"flexprefill"``, ``"xattention"``, ``"vertical_slash"``: their own knobs at their
+            defaults, budget and geometry from ``config``).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")

@@ -2,7 +2,7 @@
 
 Two registries map a name to a policy class (a frozen dataclass of validated knobs with defaults)::
 
-    PREFILL_POLICIES   dense, entropy, critiprefill, streaming
+    PREFILL_POLICIES   dense, entropy, critiprefill, streaming, flexprefill, xattention, vertical_slash
     CACHE_POLICIES     full, latent, snapkv, adakv, pyramidkv, streamingllm, h2o, infokv, bounded
 
 Prefill policies map a layer's ``q``/``k`` to a `SparsePlan` run by the same FlexAttention kernel; cache policies are
@@ -32,13 +32,19 @@ from flexentropy.policies.cache.streamingllm import StreamingLLM
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
 from flexentropy.policies.prefill.entropy import EntropyPrefill
+from flexentropy.policies.prefill.flexprefill import FlexPrefill
 from flexentropy.policies.prefill.streaming import StreamingPrefill
+from flexentropy.policies.prefill.vertical_slash import VerticalSlash
+from flexentropy.policies.prefill.xattention import XAttention
 
 PREFILL_POLICIES: dict[str, type[PrefillPolicy]] = {
     "dense": DensePrefill,
     "entropy": EntropyPrefill,
     "critiprefill": CritiPrefill,
     "streaming": StreamingPrefill,
+    "flexprefill": FlexPrefill,
+    "xattention": XAttention,
+    "vertical_slash": VerticalSlash,
 }
 """Prefill policy name -> class."""
 
@@ -123,6 +129,7 @@ __all__ = [
     "CritiPrefill",
     "DensePrefill",
     "EntropyPrefill",
+    "FlexPrefill",
     "FullCache",
     "H2O",
     "InfoKV",
@@ -132,6 +139,8 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "StreamingPrefill",
+    "VerticalSlash",
+    "XAttention",
     "make_cache",
     "make_cache_policy",
     "make_prefill",

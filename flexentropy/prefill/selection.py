@@ -41,6 +41,15 @@ def dense_segments(num_segments: int, config: EntropyConfig, device: torch.devic
     return dense
 
 
+def _descending_rank(scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rank, ordered)``: each entry's place in its row sorted by descending score, eligible entries first and
+    ties to the lower index, and the sorted scores (``-1`` for ineligible entries). ``scores`` non-negative."""
+    ranked = scores.masked_fill(~eligible, -1.0)
+    ordered, order = torch.sort(ranked, dim=-1, descending=True, stable=True)
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions), ordered
+
+
 def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The ``k[...]`` highest ``scores`` among ``eligible`` entries of each row, ties to the lower index.
 
@@ -51,35 +60,76 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) ->
     Returns:
         bool ``[..., C]``.
     """
-    ranked = scores.masked_fill(~eligible, -1.0)
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    rank, _ = _descending_rank(scores, eligible.expand_as(scores))
     return rank < k[..., None]
+
+
+def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The smallest set of ``free`` entries of each row that, added to the ``forced`` ones, holds at least
+    ``fraction`` of the row's mass: free entries best first (ties to the lower index) until the kept mass reaches
+    ``fraction * sum(row)`` (FlexPrefill's and XAttention's "cumulative attention reaches gamma / threshold").
+
+    ``fraction >= 1`` keeps every free entry (exactly, whatever the rounding of the sums).
+
+    Args:
+        scores: ``[..., C]`` non-negative estimated mass, 0 outside the row's support (its sum is the total).
+        free: bool ``[..., C]`` (broadcastable) entries that may be chosen.
+        forced: bool ``[..., C]`` (broadcastable) entries kept anyway, disjoint from ``free``; their mass counts.
+        fraction: in ``[0, 1]``.
+
+    Returns:
+        bool ``[..., C]``: the chosen free entries (forced ones not included).
+    """
+    free = free.expand_as(scores)
+    rank, ordered = _descending_rank(scores, free)
+    if fraction >= 1:
+        count = free.sum(dim=-1)
+    else:
+        need = fraction * scores.sum(dim=-1) - (scores * forced).sum(dim=-1)
+        mass = ordered.clamp_min(0)
+        before = torch.cumsum(mass, dim=-1) - mass                  # mass of the better free entries
+        count = ((before < need[..., None]) & (ordered >= 0)).sum(dim=-1)
+    return rank < count[..., None]
+
+
+def fixed_blocks(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Blocks every query block attends to whatever a policy selects (SPEC 1.5): its own segment causally, the
+    forced blocks of its segment (`forced_blocks`: sinks, ``local_blocks`` before it) and, in dense segments
+    (`dense_segments`), every causal block. bool ``[C_Q, C_B]``."""
+    num_segments, num_blocks = -(-seq_len // config.segment_size), -(-seq_len // config.block_size)
+    per_segment = config.segment_size // config.block_size
+    candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, device)
+    forced = forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
+    dense = dense_segments(num_segments, config, device)
+    causal = causal_blocks(seq_len, config.block_size, device)
+    segment_of_qb = torch.arange(causal.shape[0], device=device) * Q_BLOCK_SIZE // config.segment_size
+    j = torch.arange(num_blocks, device=device)
+    own = (j[None, :] >= (segment_of_qb * per_segment)[:, None]) & causal
+    return forced[segment_of_qb] | own | (dense[segment_of_qb][:, None] & causal)
+
+
+def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
+    """Block table ``[B, Hq, C_Q, C_B]`` of a policy that selects per query block: its ``selected`` blocks (bool
+    ``[B, Hq, C_Q, C_B]``, trimmed to the causal ones) plus the `fixed_blocks` every policy shares."""
+    causal = causal_blocks(seq_len, config.block_size, selected.device)
+    return (selected & causal) | fixed_blocks(seq_len, config, selected.device)
 
 
 def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
     """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (SPEC 1.5).
 
-    Segment s attends its own blocks causally, its forced blocks (`forced_blocks`), every candidate when it is a
-    dense segment (`dense_segments`), and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates.
+    Segment s attends its `fixed_blocks` (own segment causally, forced blocks, every earlier block in a dense
+    segment) and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates by ``A_obs``.
     """
     num_segments, num_blocks = a_obs.shape[-2:]
     device = a_obs.device
     per_segment = config.segment_size // config.block_size
     candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, device)
-    forced = forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
-    free = candidates & ~forced
+    free = candidates & ~forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
     k = torch.minimum(torch.floor(budgets / config.block_size).long(), free.sum(dim=-1))
-    chosen = top_k_mask(a_obs, free, k)
-    dense = dense_segments(num_segments, config, device)
-    segment_table = chosen | forced | (candidates & dense[:, None])            # [B, Hq, C_S, C_B]
-
-    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
-    segment_of_qb = qb * Q_BLOCK_SIZE // config.segment_size
-    j = torch.arange(num_blocks, device=device)
-    own = (j[None, :] >= (segment_of_qb * per_segment)[:, None]) & causal_blocks(seq_len, config.block_size, device)
-    return segment_table[..., segment_of_qb, :] | own
+    chosen = top_k_mask(a_obs, free, k)                                        # [B, Hq, C_S, C_B]
+    segment_of_qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device) * Q_BLOCK_SIZE // config.segment_size
+    return chosen[..., segment_of_qb, :] | fixed_blocks(seq_len, config, device)
 
 
 def dense_plan(q: torch.Tensor, config: EntropyConfig) -> SparsePlan:

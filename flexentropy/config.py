@@ -37,7 +37,8 @@ class EntropyConfig:
         sink_blocks: leading key blocks every segment attends to.
         local_blocks: key blocks just before each segment that it always attends to.
         dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.
-        dense_last_segment: the last segment (where the question usually sits) attends densely.
+        dense_last_segment: the segments holding the last ``segment_size`` tokens (where the question usually
+            sits) attend densely: the last segment, and the one before it when the last one is partial.
         dense_layers: layer indices that always run dense attention.
         backend: sparse kernel backend: ``"auto"`` (FLASH when flash-attn-4 is importable on CUDA and
             ``block_size == 128``, else Triton/CPU), ``"triton"`` or ``"flash"``.

@@ -16,6 +16,7 @@ import math
 import torch
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
+from reference import prefill as ref_prefill
 
 F64 = torch.float64
 SINK_COLUMNS, LOCAL_DIAGONALS, LAST_QUERIES = 30, 100, 64
@@ -30,16 +31,15 @@ def _last_key_block(qb: int, n: int, block_size: int) -> int:
 
 
 def fixed_table(n: int, config: EntropyConfig) -> list[list[int]]:
-    """Per query block, the key blocks every policy keeps: every causal block in a dense segment (starting before
-    ``dense_prefix``, or the last one with ``dense_last_segment``); otherwise its own segment's blocks up to the
+    """Per query block, the key blocks every policy keeps: every causal block in a dense segment
+    (`reference.prefill.dense_row`); otherwise its own segment's blocks up to the
     diagonal, the first ``sink_blocks`` and the ``local_blocks`` just before the segment (blocks before it only)."""
     seg, blk = config.segment_size, config.block_size
-    num_segments = _ceil_div(n, seg)
     rows = []
     for qb in range(_ceil_div(n, Q_BLOCK_SIZE)):
         s = qb * Q_BLOCK_SIZE // seg
         first, last = s * seg // blk, _last_key_block(qb, n, blk)
-        if s * seg < config.dense_prefix or (config.dense_last_segment and s == num_segments - 1):
+        if ref_prefill.dense_row(s, n, config):
             rows.append(list(range(last + 1)))
             continue
         before = [j for j in range(first) if j < config.sink_blocks or j >= first - config.local_blocks]

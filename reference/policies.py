@@ -48,7 +48,7 @@ def _segment_rows(q: torch.Tensor, config: EntropyConfig, a_obs: torch.Tensor | 
             for s in range(num_segments):
                 cand = ref_prefill.candidate_blocks(s, seg, blk, num_blocks)
                 first = s * seg // blk
-                if s * seg < config.dense_prefix or (config.dense_last_segment and s == num_segments - 1):
+                if ref_prefill.dense_row(s, n, config):
                     chosen.append(list(cand))
                     continue
                 forced = [j for j in cand if j < config.sink_blocks or first - local_blocks <= j < first]

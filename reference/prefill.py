@@ -241,6 +241,13 @@ class ReferencePlan:
     density: float
 
 
+def dense_row(segment: int, n: int, config: EntropyConfig) -> bool:
+    """Whether segment ``segment`` of an ``n``-token prompt attends densely: it starts before ``dense_prefix``, or
+    ``dense_last_segment`` and it holds one of the last ``segment_size`` tokens."""
+    size = config.segment_size
+    return segment * size < config.dense_prefix or (config.dense_last_segment and (segment + 1) * size > n - size)
+
+
 def _last_key_block(query_block: int, n: int, block_size: int) -> int:
     """Index of the key block holding the last token of ``query_block`` (the block on its diagonal)."""
     last_token = min((query_block + 1) * Q_BLOCK_SIZE, n) - 1
@@ -283,8 +290,7 @@ def select_blocks(
 
     - its own segment causally: key blocks from the segment's first block ``s * L_S // L_B`` up to the block
       holding the query block's last token (included; token-level causality trims it in ``dense_mask``);
-    - if ``s`` is a dense row (``s * L_S < dense_prefix``, or ``s`` is the last segment and
-      ``dense_last_segment``): every candidate of ``s``;
+    - if ``s`` is a dense row (`dense_row`): every candidate of ``s``;
     - otherwise the forced candidates (the first ``sink_blocks`` key blocks and the ``local_blocks`` blocks just
       before the segment, only those that are candidates) plus the top ``k[h, s]`` of the remaining candidates
       by ``A_obs[h, s]``, ties to the lower block index, where
@@ -314,9 +320,7 @@ def select_blocks(
             for s in range(num_segments):
                 cand = candidate_blocks(s, seg_size, blk_size, num_blocks)
                 first_block = s * seg_size // blk_size
-                dense_row = s * seg_size < config.dense_prefix or (
-                    config.dense_last_segment and s == num_segments - 1)
-                if dense_row:
+                if dense_row(s, n, config):
                     chosen.append(list(cand))
                     continue
                 forced = [j for j in cand

@@ -114,6 +114,18 @@ def test_bad_arguments_raise_clear_errors() -> None:
         sparse_prefill_attention(q[..., :200, :], k[..., :200, :], v[..., :200, :], EntropyConfig(), plan=plan)
 
 
+@pytest.mark.parametrize("n", [4 * 128, 4 * 128 + 1, 4 * 128 + 100])
+def test_the_dense_tail_holds_the_last_segment_size_tokens(n: int) -> None:
+    """A prompt one token past a segment boundary left the question in a sparse segment (its last segment held one
+    token): every query among the last ``segment_size`` now attends to every earlier key."""
+    q, k, _ = _qkv(n=n)
+    cfg = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, dense_layers=())
+    dense = fe.select_blocks(q, k, cfg).to_dense_mask()[..., n - 128 :, :]
+    assert bool(dense.equal(torch.ones(n, n, dtype=torch.bool).tril()[n - 128 :].expand_as(dense)))
+    sparse = fe.select_blocks(q, k, cfg.replace(dense_last_segment=False)).to_dense_mask()[..., n - 128 :, :]
+    assert not bool(sparse.all(dim=-1).any())  # without the dense tail these queries skip some keys
+
+
 def test_float64_gets_a_clear_error_compiled_and_runs_eagerly() -> None:
     q, k, v = (t.double() for t in _qkv(n=512))
     cfg = EntropyConfig(segment_size=128, block_size=128, base_budget=128, dense_prefix=128, dense_layers=())

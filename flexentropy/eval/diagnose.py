@@ -132,7 +132,7 @@ class Layout:
     def describe(self, config: EntropyConfig) -> dict[str, Any]:
         """What the geometry does to this prompt: segments, the dense ones, the question's and needles' places."""
         segments = -(-self.seq_len // config.segment_size)
-        dense = dense_segments(segments, config)
+        dense = dense_segments(self.seq_len, config)
         dense_tokens = dense.repeat_interleave(config.segment_size)[:self.seq_len]
         segment_of = [self.question // config.segment_size, (self.seq_len - 1) // config.segment_size]
         return {
@@ -212,7 +212,7 @@ def needle_selection(blocks: torch.Tensor, a_obs: torch.Tensor, budgets: torch.T
     needle = torch.tensor(layout.needle_blocks(config.block_size), device=blocks.device)
     first_qb = torch.arange(segments, device=blocks.device) * (config.segment_size // Q_BLOCK_SIZE)
     starts = torch.arange(segments, device=blocks.device) * config.segment_size
-    sparse = ~dense_segments(segments, config, blocks.device)
+    sparse = ~dense_segments(layout.seq_len, config, blocks.device)
     pairs = sparse[:, None] & (starts[:, None] >= (needle[None, :] + 1) * config.block_size)   # [C_S, m]
     held = blocks[:, first_qb][..., needle] & pairs                                           # [Hq, C_S, m]
     question = layout.region("question").to(blocks.device)

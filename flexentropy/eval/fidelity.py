@@ -97,8 +97,7 @@ class BlockAttention:
 
 def sparse_rows(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """bool ``[N]``: queries whose segment selects blocks (not in the dense prefix nor the dense last segment)."""
-    segments = -(-seq_len // config.segment_size)
-    dense = dense_segments(segments, config, device)
+    dense = dense_segments(seq_len, config, device)
     return ~dense.repeat_interleave(config.segment_size)[:seq_len]
 
 

@@ -31,13 +31,15 @@ def forced_blocks(candidates: torch.Tensor, sink_blocks: int, local_blocks: int,
     return candidates & ((j < sink_blocks)[None, :] | local)
 
 
-def dense_segments(num_segments: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def dense_segments(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """Segments that attend to every earlier key: those starting before ``dense_prefix`` and, when
-    ``dense_last_segment``, the last one. bool ``[C_S]``."""
-    s = torch.arange(num_segments, device=device)
-    dense = s * config.segment_size < config.dense_prefix
+    ``dense_last_segment``, those holding any of the last ``segment_size`` tokens (the last segment, and the one
+    before it when the last is partial: a question that straddles a segment boundary stays dense). bool ``[C_S]``."""
+    size = config.segment_size
+    s = torch.arange(-(-seq_len // size), device=device)
+    dense = s * size < config.dense_prefix
     if config.dense_last_segment:
-        dense = dense | (s == num_segments - 1)
+        dense = dense | ((s + 1) * size > seq_len - size)
     return dense
 
 
@@ -100,7 +102,7 @@ def fixed_blocks(seq_len: int, config: EntropyConfig, device: torch.device | str
     per_segment = config.segment_size // config.block_size
     candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, device)
     forced = forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
-    dense = dense_segments(num_segments, config, device)
+    dense = dense_segments(seq_len, config, device)
     causal = causal_blocks(seq_len, config.block_size, device)
     segment_of_qb = torch.arange(causal.shape[0], device=device) * Q_BLOCK_SIZE // config.segment_size
     j = torch.arange(num_blocks, device=device)

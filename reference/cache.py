@@ -2,7 +2,7 @@
 
 Written to be read against the paper and SPEC line by line, not to be fast: explicit Python loops over batch rows,
 KV heads, the group's query heads and window queries, float64, one full softmax per window query, no vectorised
-top-k. It shares nothing with ``flexentropy.cache`` except :class:`flexentropy.config.EntropyConfig`.
+top-k. It shares nothing with ``flexentropy.caches`` except :class:`flexentropy.config.EntropyConfig`.
 
 Notation (SPEC preamble): queries ``[B, Hq, ., D]``, keys/values ``[B, Hkv, ., D]``, ``G = Hq // Hkv``; query head
 ``hq`` reads KV head ``hq // G``. Positions are 0-based logical token positions; query ``i`` sees key ``j`` iff
@@ -138,7 +138,7 @@ def evict(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# One layer's lifecycle (SPEC 2, and the schedule documented in flexentropy.cache.latent)
+# One layer's lifecycle (docs/design.md §2, and the schedule of flexentropy.caches.LatentKVCache)
 # --------------------------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 Written to be read against the papers and the policy docstrings, not to be fast: explicit Python loops over batch
 rows, heads, segments, entries and queries, float64, per-head Python lists for the cache, no vectorised top-k. It
-shares nothing with ``flexentropy.policies`` / ``flexentropy.cache`` except :class:`flexentropy.config.EntropyConfig`
+shares nothing with ``flexentropy.policies`` / ``flexentropy.caches`` except :class:`flexentropy.config.EntropyConfig`
 and the loop-based oracles of :mod:`reference.prefill` and :mod:`reference.cache`.
 
 Notation: queries ``[B, Hq, ., D]``, keys/values ``[B, Hkv, ., D]``, ``G = Hq // Hkv``, query head ``hq`` reads KV

@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexentropy import EntropyConfig
-from flexentropy.cache.base import PolicyCache
+from flexentropy.caches import PolicyCache, make_cache
 from flexentropy.integrations.hf import enable, prefill_density
-from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, FullCache, make_cache
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, FullCache
 
 PREFILLS = list(PREFILL_POLICIES)
 CACHES = list(CACHE_POLICIES)

@@ -60,11 +60,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from flexentropy.cache.base import PolicyCache
-from flexentropy.cache.keywords import cache_argument
-from flexentropy.config import EntropyConfig
-from flexentropy.policies import PREFILL_POLICIES, make_prefill
-from flexentropy.prefill import SparsePlan, select_blocks, sparse_prefill_attention
+from flexentropy.caches.keywords import cache_argument
+from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.config import EntropyConfig, check_config
+from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill
+from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 from flexentropy.prefill.kernel import COMPILED_DTYPES
 
 ATTN_IMPLEMENTATION = "flexentropy"
@@ -111,6 +111,11 @@ class LayerState:
     prefill: str
     plans: list[SparsePlan | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
+    policy: PrefillPolicy = field(init=False, repr=False)
+    """The prefill policy named ``prefill``, on ``config``."""
+
+    def __post_init__(self) -> None:
+        self.policy = make_prefill(self.prefill, self.config)
 
     @property
     def density(self) -> float | None:
@@ -212,9 +217,7 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    config = EntropyConfig() if config is None else config
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
+    config = check_config(config, optional=True)
     _check_prefill(prefill)
     check_supported(model.config)
     if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
@@ -343,8 +346,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
         _record(state, [] if sliding_window is not None else [None])
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
     if mask is None:
-        out, plan = _sparse(query, key, value, state.config, module.layer_idx, scaling, state.prefill,
-                            state.plan_edit)
+        out, plan = _sparse(query, key, value, state, module.layer_idx, scaling)
         _record(state, [plan])
         return out.transpose(1, 2).contiguous(), None
     if mask.dtype != torch.bool:
@@ -364,8 +366,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
             # would compile the kernel again
             span = slice(start, stop)
             row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
-            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state.config, module.layer_idx, scaling,
-                                               state.prefill, state.plan_edit)
+            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state, module.layer_idx, scaling)
         else:
             out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
                                                        scale=scaling, enable_gqa=True)
@@ -375,18 +376,14 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: EntropyConfig, layer_idx: int,
-            scaling: float | None, prefill: str = "entropy", edit: PlanEdit | None = None
-            ) -> tuple[torch.Tensor, SparsePlan]:
-    """Sparse prefill of one layer under prefill policy ``prefill`` (its plan through ``edit`` when given):
+def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: LayerState, layer_idx: int,
+            scaling: float | None) -> tuple[torch.Tensor, SparsePlan]:
+    """Sparse prefill of one layer under the layer's prefill policy (its plan through ``state.plan_edit`` when given):
     ``([B, Hq, N, Dv], plan)``."""
-    if prefill == "entropy":
-        plan = select_blocks(query, key, config, layer_idx)
-    else:  # the other policies of flexentropy.PREFILL_POLICIES, on the same kernel
-        plan = make_prefill(prefill, config).plan(query, key, layer_idx)
-    if edit is not None:
-        plan = edit(layer_idx, query, key, plan)
-    return sparse_prefill_attention(query, key, value, config, layer_idx, scale=scaling, plan=plan), plan
+    plan = state.policy.plan(query, key, layer_idx)
+    if state.plan_edit is not None:
+        plan = state.plan_edit(layer_idx, query, key, plan)
+    return sparse_prefill_attention(query, key, value, state.config, layer_idx, scale=scaling, plan=plan), plan
 
 
 def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:

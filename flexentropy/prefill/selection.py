@@ -13,7 +13,7 @@ import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
-from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
+from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config
 from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
@@ -186,8 +186,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     """
     check_qk(q, k)
     check_layer_idx(layer_idx)
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    check_config(config)
     n = q.shape[-2]
     if config.is_dense_layer(layer_idx, n):
         return dense_plan(q, config)

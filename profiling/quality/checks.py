@@ -1,6 +1,6 @@
 """The paired checks quoted in docs/quality.md (H200 section), from the committed predictions; writes checks.txt.
 
-Run from the repository root: ``python docs/results/quality_h200/checks.py``.
+Run: ``python profiling/quality/checks.py`` (the raw runs come from the studies' ``runs.tar.xz``).
 1. batch_check/: the runs repeated in batches of 8 against the one-by-one runs: identical new tokens, median timings.
 2. niah_single, full cache: per-sample (paired) wins and losses of entropy against critiprefill and streaming at the
    same B_0 (a win: entropy answers a sample the other misses).
@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-HERE = Path(__file__).parent
-RUNS = HERE / "runs" / "smollm2"
-GEMMA = HERE.parent / "gemma3_h200" / "runs" / "gemma3-270m"
+from archive import RESULTS, runs_folder  # this folder (run as a script)
+
+HERE = RESULTS / "quality_h200"
+RUNS = runs_folder("quality_h200") / "smollm2"
+GEMMA = runs_folder("gemma3_h200") / "gemma3-270m"
+BATCHED = runs_folder("quality_h200/batch_check")
 
 
 def records(folder: Path) -> dict[int, dict]:
@@ -38,11 +41,11 @@ def paired(entropy: dict[int, dict], rival: dict[int, dict]) -> tuple[int, int]:
 
 def main() -> None:
     out = ["1. batched (8) against one by one, bf16 on the H200"]
-    for batched in sorted((HERE / "batch_check" / "runs").glob("**/predictions.jsonl")):
-        rel = batched.parent.relative_to(HERE / "batch_check" / "runs")
-        a, b = records(HERE / "runs" / rel), records(batched.parent)
+    for batched in sorted(BATCHED.glob("**/predictions.jsonl")):
+        rel = batched.parent.relative_to(BATCHED)
+        a, b = records(RUNS.parent / rel), records(batched.parent)
         same = sum(a[i]["new_token_ids"] == b[i]["new_token_ids"] for i in b)
-        ma, mb = metrics(HERE / "runs" / rel), metrics(batched.parent)
+        ma, mb = metrics(RUNS.parent / rel), metrics(batched.parent)
         out.append(f"   {rel}: identical tokens {same}/{len(b)}; median prefill {ma['prefill_s']:.3f} s one by one, "
                    f"{mb['prefill_s']:.3f} s per batch of 8; median decode step {1e3 * ma['decode_s_per_token']:.1f} "
                    f"ms one by one, {1e3 * mb['decode_s_per_token']:.1f} ms per batch of 8")

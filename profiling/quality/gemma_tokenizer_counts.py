@@ -2,7 +2,7 @@
 `flexentropy.integrations.gguf.load_tokenizer` (quoted in docs/quality.md). Writes tokenizer_counts.json.
 
 Run from the repository root, with the GGUF joined at /tmp/gemma3 (or pass its folder):
-``python docs/results/gemma3_cpu/tokenizer_counts.py [FOLDER]``.
+``python profiling/quality/gemma_tokenizer_counts.py [FOLDER]``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main(folder: str) -> None:
         "hello_world_transformers_alone": stock.convert_ids_to_tokens(stock("Hello world")["input_ids"]),
         "hello_world_load_tokenizer": fixed.convert_ids_to_tokens(fixed("Hello world")["input_ids"]),
     }
-    path = Path(__file__).with_suffix(".json")
+    path = Path(__file__).resolve().parents[2] / "docs/results/gemma3_cpu/tokenizer_counts.json"
     path.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(json.dumps(out, ensure_ascii=False))
 

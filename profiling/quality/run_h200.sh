@@ -4,7 +4,7 @@
 # is loaded and its kernels compiled once). Results land in docs/results/quality_h200/ (same layout), or in $RESULTS.
 # Resumable: a run cut off by a time limit is finished by running this again.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 export RESULTS=${RESULTS:-docs/results/quality_h200} SAMPLES=${SAMPLES:-24}
-python3 -m flexentropy.eval plan docs/results/quality/h200.plan
+python3 -m flexentropy.eval plan profiling/quality/h200.plan
 python3 -m flexentropy.eval report --runs "$RESULTS/runs" --out "$RESULTS"

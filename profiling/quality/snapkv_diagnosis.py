@@ -22,7 +22,7 @@ kept sets (teacher-forced on SnapKV's tokens).
 
 Run from the repository root (CPU, about 2.5 minutes for 4 samples on 2 busy cores)::
 
-    python docs/results/quality/snapkv_diagnosis/diagnose.py [--samples 0 3 6 7] [--budget 1024] [--new-tokens 12]
+    python profiling/quality/snapkv_diagnosis.py [--samples 0 3 6 7] [--budget 1024] [--new-tokens 12]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from archive import runs_folder  # this folder, run as a script
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
@@ -51,7 +52,7 @@ from flexentropy.eval.tasks import make_sample, sample_ids
 from flexentropy.policies import SnapKV
 
 TASK, LENGTH, PLACEMENT, SEED = "niah_single", 2048, "outside", 0
-RUN_DIR = Path(__file__).resolve().parents[1] / "runs/smollm2/niah_single/2048/q-outside"
+RUN_DIR = runs_folder("quality") / "smollm2/niah_single/2048/q-outside"
 MASKED = "snapdiag_masked"
 """Name of the masked attention function registered in transformers' ``AttentionInterface``."""
 

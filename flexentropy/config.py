@@ -1,6 +1,6 @@
 """`EntropyConfig`: every knob of flexentropy's prefill and cache algorithms, validated on construction.
 
-Defaults follow SPEC section 4 (the seed paper's hyper-parameters and its released code where the two disagree).
+Defaults follow design.md §4 (the seed paper's hyper-parameters and its released code where the two disagree).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ BACKENDS = ("auto", "triton", "flash")
 
 @dataclass(frozen=True)
 class EntropyConfig:
-    """Knobs of entropy-guided sparse prefill (SPEC 1) and latent KV cache eviction (SPEC 2).
+    """Knobs of entropy-guided sparse prefill (design.md §1) and latent KV cache eviction (design.md §2).
 
     Sizes are in tokens. ``segment_size`` (L_S) groups queries, ``block_size`` (L_B) groups keys; a segment
     attends to its own tokens causally plus whole selected key blocks before it.

@@ -1,4 +1,5 @@
-"""`forward_influence`: how much one cached token matters to the model's future predictions (InfoKV eq. 3, SPEC 3).
+"""`forward_influence`: how much one cached token matters to the model's future predictions (InfoKV eq. 3, design.md
+§3).
 
 For a sequence split into a cached context ``[0, c)`` and a future chunk ``[c, c + horizon)``::
 

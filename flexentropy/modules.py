@@ -1,8 +1,9 @@
 """`EntropyAttention`: a self-contained causal self-attention layer with sparse prefill and cached decoding.
 
 Llama-style: q/k/v/o linear projections, rotary position embedding (RoPE, "rotate half" convention, as
-``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (SPEC 1);
-later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (SPEC 2), through ``decode_attention``. Depends on
+``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (design.md §1);
+later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (design.md §2), through ``decode_attention``.
+Depends on
 torch only: any object with the `KVCache` methods works as the cache (HF's ``DynamicCache`` too).
 """
 
@@ -58,7 +59,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class EntropyAttention(nn.Module):
-    """Causal self-attention with entropy-guided sparse prefill (SPEC 1) and cached decoding (SPEC 2).
+    """Causal self-attention with entropy-guided sparse prefill (design.md §1) and cached decoding (design.md §2).
 
     Args:
         hidden_size: model width (input and output features).

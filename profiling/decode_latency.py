@@ -1,4 +1,4 @@
-"""Per-token decode latency and KV memory: dense caches vs latent eviction (SPEC 2, paper sec. 4.3 / Alg. 4).
+"""Per-token decode latency and KV memory: dense caches vs latent eviction (design.md §2, paper sec. 4.3 / Alg. 4).
 
 One attention layer of the Llama-3.1-8B shape by default (B=1, 32 query heads, 8 KV heads, D=128, bf16), random
 N(0, 1) inputs. For each context length N the cache is filled with N prompt tokens, then every timed step appends

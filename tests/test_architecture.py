@@ -1,4 +1,4 @@
-"""The package's dependency direction (docs/design.md §5): no import cycle between its modules (imports inside
+"""The package's dependency direction (design.md §5): no import cycle between its modules (imports inside
 functions count), transformers only at the edge, and the command line and the evaluation independent of each other."""
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def test_enable_rejects_what_it_cannot_run() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
-    """transformers 5.24 renamed the cache argument to `cache` (SPEC 5, read from the wheels)."""
+    """transformers 5.24 renamed the cache argument to `cache` (design.md §6, read from the wheels)."""
     import transformers
     from packaging.version import Version
 

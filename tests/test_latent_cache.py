@@ -1,4 +1,5 @@
-"""Latent KV-cache eviction (SPEC 2, paper Alg. 4): flexentropy.caches against the dense oracle reference/cache.py."""
+"""Latent KV-cache eviction (design.md §2, paper Alg. 4): flexentropy.caches against the dense oracle
+reference/cache.py."""
 
 from __future__ import annotations
 

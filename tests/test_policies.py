@@ -1,4 +1,4 @@
-"""Every prefill and cache policy (flexentropy.policies, SPEC 3) against its dense twin in reference/policies.py.
+"""Every prefill and cache policy (flexentropy.policies, design.md §3) against its dense twin in reference/policies.py.
 
 Kept sets and compressed tensors step by step, budgets per head and layer, decode attention (rectangular and
 ragged), memory bounds over 500 generated tokens for the decode-time policies, model signals (InfoKV) and

@@ -1,4 +1,4 @@
-"""Every prefill policy x every cache policy, end to end through ``model.generate`` (SPEC 3, issue 5; the peers'
+"""Every prefill policy x every cache policy, end to end through ``model.generate`` (design.md §3, issue 5; the peers'
 prefills of issue 15 with a representative set of caches).
 
 On a tiny random Llama (from ``LlamaConfig``, nothing downloaded) with budgets small enough that every sparse prefill

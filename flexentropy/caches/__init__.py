@@ -1,4 +1,4 @@
-"""Cache storage (docs/design.md §3.2): the transformers ``Cache`` classes that run the cache policies.
+"""Cache storage (design.md §3.2): the transformers ``Cache`` classes that run the cache policies.
 
 - :mod:`.layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's `LayerView`);
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;

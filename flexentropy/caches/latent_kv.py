@@ -1,4 +1,4 @@
-"""`LatentKVCache`: the paper's latent KV-cache eviction (docs/design.md §2; paper sec. 4.3, Alg. 4) as a transformers
+"""`LatentKVCache`: the paper's latent KV-cache eviction (design.md §2; paper sec. 4.3, Alg. 4) as a transformers
 ``Cache``: the ``latent`` policy (`flexentropy.policies.LatentPolicy`, the rule) on `PolicyCache` (the storage),
 configured by an `EntropyConfig`'s ``decode_*`` fields."""
 
@@ -19,7 +19,7 @@ class LatentKVCache(PolicyCache):
     scored by the last ``decode_window`` post-RoPE queries and each KV head keeps the window's own entries plus the
     best others, ``decode_budget`` in all; with ``recompress_every = R`` again whenever ``decode_budget + R`` are
     stored (None: once, as the paper). A prompt fed in several forwards counts its later chunks as generated tokens.
-    Driving it from your own attention module (the hand-over contract: docs/design.md §3.2)::
+    Driving it from your own attention module (the hand-over contract: design.md §3.2)::
 
         cache.observe_queries(q, layer_idx)          # q [B, Hq, q_len, D], post-RoPE, on every forward
         k, v = cache.update(k_new, v_new, layer_idx)  # [B, Hkv, S, D]: compressed, per KV head

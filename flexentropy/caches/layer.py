@@ -2,7 +2,7 @@
 
 It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.kv.ragged`), their
 logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics, and applies
-the policy's decisions at the two points the policy declares (docs/design.md §3.2): ``before_append`` at the start of
+the policy's decisions at the two points the policy declares (design.md §3.2): ``before_append`` at the start of
 ``update``, ``when_settled`` once keys, queries and signals of a forward cover the same tokens.
 
 Positions. Evictions never renumber: ``seen`` is the logical length (the next RoPE position), ``stored`` the entries

@@ -1,4 +1,4 @@
-"""`PolicyCache`: one transformers ``Cache`` for every KV-cache policy (docs/design.md §3.2).
+"""`PolicyCache`: one transformers ``Cache`` for every KV-cache policy (design.md §3.2).
 
 A `flexentropy.policies.CachePolicy` is the rule; `PolicyLayer` the per-layer storage; this class the transformers
 ``Cache`` around them: layer creation, shape checks across layers, and the hand-over of what ``update`` does not

@@ -1,4 +1,4 @@
-"""Model signals for information-aware cache policies (InfoKV, docs/design.md §3): hidden states and the
+"""Model signals for information-aware cache policies (InfoKV, design.md §3): hidden states and the
 predictive distribution, read off the forward the model runs anyway.
 
 `attach_signals(model)` registers one forward hook per decoder layer (``model.get_decoder().layers``). Each hook

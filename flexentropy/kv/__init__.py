@@ -1,4 +1,4 @@
-"""Torch-only operations on a KV cache (docs/design.md §2): *score -> keep -> gather*, then attend over what is kept.
+"""Torch-only operations on a KV cache (design.md §2): *score -> keep -> gather*, then attend over what is kept.
 
 - :mod:`.scoring`: importance of cached keys under a window of queries (``window_attention_scores``, ``pool_scores``);
 - :mod:`.keep`: which entries survive (``keep_indices``) and the compressed tensors (``gather_kv``);

@@ -1,4 +1,4 @@
-"""Decode attention over a (compressed) KV cache stored per KV head (SPEC 2).
+"""Decode attention over a (compressed) KV cache stored per KV head (design.md §2).
 
 The cache's entries are not contiguous in position after an eviction, but every stored entry precedes the tokens
 being decoded, so a decode step needs no mask at all: one SDPA call (flash backend) with ``enable_gqa`` over

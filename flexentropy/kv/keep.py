@@ -1,6 +1,7 @@
 """Keep and gather: which cache entries survive an eviction, and the compressed tensors (paper Alg. 4 steps 3-4).
 
-Second and third stages of the cache's *score -> keep -> gather* pipeline, shared by every eviction policy (SPEC 3).
+Second and third stages of the cache's *score -> keep -> gather* pipeline, shared by every eviction policy (design.md
+§3).
 Every (batch row, KV head) keeps the same number of entries so the compressed cache stays a rectangular
 ``[B, Hkv, kept, D]`` tensor, stored per KV head (never expanded to the query heads).
 """
@@ -23,7 +24,7 @@ class KeptKV(NamedTuple):
 
 
 def keep_indices(scores: torch.Tensor, budget: int, forced: int | torch.Tensor = 0) -> torch.Tensor:
-    """Indices of the entries to keep per (batch row, KV head), in original order (paper Alg. 4 step 3, SPEC 2).
+    """Indices of the entries to keep per (batch row, KV head), in original order (paper Alg. 4 step 3, design.md §2).
 
     Args:
         scores: ``[B, Hkv, T]`` importance of each cached entry (finite; higher is kept first).

@@ -1,6 +1,6 @@
 """Decode attention over a *ragged* per-head cache: every (batch row, KV head) keeps its own number of entries.
 
-Per-head budgets (AdaKV, SPEC 3) only save memory if the heads' entries are stored without padding. The ragged
+Per-head budgets (AdaKV, design.md §3) only save memory if the heads' entries are stored without padding. The ragged
 layout is a flat ``keys [T, D]`` / ``values [T, Dv]`` holding the entries of head ``(b, h)`` contiguously, in the
 order ``(0, 0), (0, 1), ..., (B - 1, Hkv - 1)``, with ``counts [B, Hkv]`` entries each (``T = counts.sum()``), plus a
 rectangular *tail* ``[B, Hkv, t, D]`` of the tokens appended since (every head gets every new token).

@@ -1,7 +1,7 @@
-"""Score: importance of each cached key under a window of recent queries (SPEC 2; paper sec. 4.3, Alg. 4 step 2).
+"""Score: importance of each cached key under a window of recent queries (design.md §2; paper sec. 4.3, Alg. 4 step 2).
 
 First stage of the cache's *score -> keep -> gather* pipeline. Pure functions over tensors, vectorised over batch,
-heads, window queries and keys, so that every eviction policy of SPEC 3 (SnapKV, AdaKV, PyramidKV, InfoKV...)
+heads, window queries and keys, so that every eviction policy of design.md §3 (SnapKV, AdaKV, PyramidKV, InfoKV...)
 scores the same way. Memory is ``O(B * Hq * W * T)`` for ``W`` window queries and ``T`` cached keys: never ``T x T``.
 """
 
@@ -16,7 +16,8 @@ from einops import rearrange
 from flexentropy._checks import is_int
 
 SCORE_KINDS = ("softmax", "raw")
-"""``softmax``: mean attention probability (SPEC 2 default); ``raw``: the paper's sum of logits (Alg. 4 line 14)."""
+"""``softmax``: mean attention probability (design.md §2 default); ``raw``: the paper's sum of logits (Alg. 4 line
+14)."""
 
 
 def _check_positions(name: str, positions: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
@@ -48,7 +49,8 @@ def window_attention_scores(
         key_positions: ``[T]`` or ``[B, Hkv, T]`` logical token positions of the cached keys (after an eviction
             every head keeps its own entries). Query ``i`` sees key ``j`` iff ``key_positions[j] <=
             query_positions[i]`` (causal).
-        kind: ``"softmax"`` (SPEC 2): for each window query and each of the group's ``G`` query heads, the softmax of
+        kind: ``"softmax"`` (design.md §2): for each window query and each of the group's ``G`` query heads, the
+        softmax of
             ``scale * q.k`` over the keys it sees, averaged over the ``W * G`` (query, head) pairs; a key a query does
             not see contributes probability 0, and a query that sees no cached key (all evicted) contributes nothing.
             ``"raw"`` (paper Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of
@@ -90,7 +92,7 @@ def window_attention_scores(
 
 
 def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:
-    """1-D average pooling of ``scores [..., T]`` along ``T``, same length (SPEC 2 ``decode_pool``, as SnapKV).
+    """1-D average pooling of ``scores [..., T]`` along ``T``, same length (design.md §2 ``decode_pool``, as SnapKV).
 
     Entry ``t`` becomes the sum of ``scores[t - width//2 : t + width//2 + 1]`` divided by ``width``: positions
     beyond either end count as 0 (zero padding included in the average). ``width`` is odd; 1 returns ``scores``.

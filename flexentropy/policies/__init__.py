@@ -1,4 +1,4 @@
-"""Every prefill and KV-cache policy of flexentropy, selectable by name (docs/design.md §3-4).
+"""Every prefill and KV-cache policy of flexentropy, selectable by name (design.md §3-4).
 
 Two registries map a name to a policy class (a frozen dataclass of validated knobs with defaults)::
 

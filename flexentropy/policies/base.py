@@ -3,7 +3,7 @@ entries survive decoding).
 
 A policy is a frozen dataclass of knobs with defaults, validated on construction (kvpress "presses" style). Policies
 import torch only. A cache policy sees its layer through `flexentropy.policies.layer.LayerView`; the storage that runs
-it (`flexentropy.caches`) depends on the policies, never the reverse (docs/design.md §3).
+it (`flexentropy.caches`) depends on the policies, never the reverse (design.md §3).
 
 Prefill policies map post-RoPE ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` of one layer to a `SparsePlan` run by the
 same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the shared cache consults per layer:

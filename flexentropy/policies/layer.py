@@ -1,7 +1,7 @@
 """`LayerView`: what a cache policy may read and write of one layer of the cache it runs in.
 
 The policies are written against this protocol, never against the storage classes (`flexentropy.caches`), which
-implement it: the dependency goes one way, from the storage to the policies (docs/design.md §3.2).
+implement it: the dependency goes one way, from the storage to the policies (design.md §3.2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`sparse_prefill_attention`: plan + kernel for one layer's prompt, with the dense fallbacks (SPEC 1.5-1.6)."""
+"""`sparse_prefill_attention`: plan + kernel for one layer's prompt, with the dense fallbacks (design.md §1.5-1.6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-(batch, query head, segment) token budgets from entropy fluctuation (paper Alg. 3, SPEC 1.4).
+"""Per-(batch, query head, segment) token budgets from entropy fluctuation (paper Alg. 3, design.md §1.4).
 
 The paper's recurrence ``B[s] = clamp(B[s-1] + alpha * B_0 * (r_s - delta_t), B_0, M * B_0)`` is sequential in s.
 Each step is a *clamp-shift* map ``x -> clamp(x + a, lo, hi)`` and such maps are closed under composition, so

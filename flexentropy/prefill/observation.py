@@ -1,4 +1,4 @@
-"""Observation attention between segment and block representatives (paper Alg. 2, SPEC 1.2)."""
+"""Observation attention between segment and block representatives (paper Alg. 2, design.md §1.2)."""
 
 from __future__ import annotations
 

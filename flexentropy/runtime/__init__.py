@@ -1,4 +1,4 @@
-"""The runtime layer under the command line and the evaluation (docs/design.md §5): model resolution (paths and the
+"""The runtime layer under the command line and the evaluation (design.md §5): model resolution (paths and the
 aliases of :mod:`.models`), device and dtype, offline loading (:mod:`.loading`), warm-up and timed generation with
 cache sizes (:mod:`.generation`), atomic JSON (:mod:`.files`).
 

@@ -9,7 +9,7 @@ from flexentropy.policies.layer import LayerView
 
 
 def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1) -> torch.Tensor:
-    """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / SPEC 2 scoring):
+    """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / design.md §2 scoring):
     mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
     then average pooling of width ``pool``."""
     scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),

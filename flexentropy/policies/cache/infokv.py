@@ -1,4 +1,4 @@
-"""``infokv``: attention fused with an information signal of the model's forward pass (InfoKV, docs/design.md §3;
+"""``infokv``: attention fused with an information signal of the model's forward pass (InfoKV, design.md §3;
 the second seed's reading of the paper).
 
 Per layer ``l`` and stored token ``i``::

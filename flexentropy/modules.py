@@ -1,8 +1,9 @@
 """`EntropyAttention`: a self-contained causal self-attention layer with sparse prefill and cached decoding.
 
 Llama-style: q/k/v/o linear projections, rotary position embedding (RoPE, "rotate half" convention, as
-``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (SPEC 1);
-later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (SPEC 2), through ``decode_attention``. Depends on
+``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (design.md §1);
+later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (design.md §2), through ``decode_attention``.
+Depends on
 torch only: any object with the `KVCache` methods works as the cache (HF's ``DynamicCache`` too).
 """
 
@@ -13,9 +14,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from flexentropy._checks import check_layer_idx
-from flexentropy.cache.attention import decode_attention
-from flexentropy.config import EntropyConfig
+from flexentropy._checks import check_layer_idx, is_int
+from flexentropy.config import EntropyConfig, check_config
+from flexentropy.kv.attention import decode_attention
 from flexentropy.prefill import sparse_prefill_attention
 
 
@@ -58,7 +59,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class EntropyAttention(nn.Module):
-    """Causal self-attention with entropy-guided sparse prefill (SPEC 1) and cached decoding (SPEC 2).
+    """Causal self-attention with entropy-guided sparse prefill (design.md §1) and cached decoding (design.md §2).
 
     Args:
         hidden_size: model width (input and output features).
@@ -87,7 +88,7 @@ class EntropyAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"EntropyAttention {name} must be an int >= 1, got {value!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -99,9 +100,7 @@ class EntropyAttention(nn.Module):
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
         check_layer_idx(layer_idx)
-        config = EntropyConfig() if config is None else config
-        if not isinstance(config, EntropyConfig):
-            raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
+        config = check_config(config, optional=True)
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads

@@ -45,7 +45,7 @@ def attention_inputs(b: int, hq: int, hkv: int, n: int, d: int, dtype: torch.dty
     ``kind="random"``: N(0, 1) (nearly uniform attention, the hardest case for sparsity).
     ``kind="structured"``: adds an attention sink (a shared unit vector x12 in every query and the first 4 keys,
     projected out of the other keys) and locality (a moving sum over 128 tokens of a random signal added to q
-    and k), closer to what real models show (SPEC section 5).
+    and k), closer to what real models show (design.md §5).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(b, hq, n, d, device=device, generator=gen)

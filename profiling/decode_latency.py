@@ -1,8 +1,8 @@
-"""Per-token decode latency and KV memory: dense caches vs latent eviction (SPEC 2, paper sec. 4.3 / Alg. 4).
+"""Per-token decode latency and KV memory: dense caches vs latent eviction (design.md §2, paper sec. 4.3 / Alg. 4).
 
 One attention layer of the Llama-3.1-8B shape by default (B=1, 32 query heads, 8 KV heads, D=128, bf16), random
 N(0, 1) inputs. For each context length N the cache is filled with N prompt tokens, then every timed step appends
-one token and attends (``flexentropy.cache.decode_attention``, SDPA with GQA) over:
+one token and attends (``flexentropy.decode_attention``, SDPA with GQA) over:
 
 - ``dense-dynamic``: transformers' ``DynamicCache``, what ``generate`` uses by default (concatenates per token);
 - ``dense-static``: a preallocated buffer written in place, attention over its filled prefix (dense at its best);
@@ -35,8 +35,9 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flexentropy.cache import LatentKVCache, decode_attention  # noqa: E402
+from flexentropy.caches import LatentKVCache  # noqa: E402
 from flexentropy.config import EntropyConfig  # noqa: E402
+from flexentropy.kv import decode_attention  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -10,7 +10,7 @@ greedy tokens through ``generate``, the mean decode step, and peak GPU memory. V
 * ``entropy``: flexentropy sparse prefill, full cache;
 * ``latent``: dense prefill, `LatentKVCache` (B_d 1024);
 * ``entropy+latent``: both;
-* ``critiprefill``: CritiPrefill's uniform budget (SPEC 3) on the same kernels.
+* ``critiprefill``: CritiPrefill's uniform budget (design.md §3) on the same kernels.
 
 Each row also counts the graphs dynamo compiled during the timed runs (``compiles_after_warmup``; 0 means no
 recompile after the warm-up at 4k), and the JSON is rewritten after every row, so a cut-off run keeps its rows.

@@ -2,7 +2,7 @@
 ``entropy``, ``critiprefill``, ``streaming`` and ``dense``, one attention layer, each policy at its default knobs.
 
 Llama-3.1-8B attention shape by default (32 q heads, 8 kv heads, D 128, bf16, causal, B 1), kernel backend
-``auto`` (FLASH where flash-attn-4 imports), random and structured inputs (profiling/common.py, SPEC 5):
+``auto`` (FLASH where flash-attn-4 imports), random and structured inputs (profiling/common.py, design.md §6):
 
     python profiling/peers.py --out docs/results/peers.json
     python profiling/peers.py --official official --out docs/results/peers.json    # + the released code

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from common import attention_inputs, environment, sync, time_ms, write_json  # noqa: E402
 
+from flexentropy.caches import make_cache  # noqa: E402
 from flexentropy.config import EntropyConfig  # noqa: E402
-from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_cache, make_prefill  # noqa: E402
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

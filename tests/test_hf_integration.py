@@ -32,11 +32,11 @@ from transformers import (
 )
 
 from flexentropy import EntropyConfig
-from flexentropy.cache import LatentKVCache
-from flexentropy.cache.attention import grouped_attention, kept_columns
+from flexentropy.caches import LatentKVCache, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
-from flexentropy.policies import make_cache
+from flexentropy.kv.attention import grouped_attention, kept_columns
+from flexentropy.policies.prefill import entropy as entropy_prefill
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -85,7 +85,8 @@ def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
 def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     dense, model = twins(arch, COVERING)
     ids = prompt()
-    with mock.patch.object(hf, "select_blocks", wraps=hf.select_blocks) as planned, torch.no_grad():
+    plan = mock.patch.object(entropy_prefill, "select_blocks", wraps=entropy_prefill.select_blocks)
+    with plan as planned, torch.no_grad():
         logits = model(ids).logits
         assert sorted(c.args[3] for c in planned.call_args_list) == sparse_layers(model, COVERING)
         torch.testing.assert_close(logits, dense(ids).logits, atol=2e-4, rtol=1e-4)
@@ -150,7 +151,7 @@ def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
         assert torch.equal(batch[row], greedy(dense, solo)[0]), f"covering budgets, row {row}"
 
     enable(model, SMALL)
-    with mock.patch.object(hf, "select_blocks", wraps=hf.select_blocks) as planned:
+    with mock.patch.object(entropy_prefill, "select_blocks", wraps=entropy_prefill.select_blocks) as planned:
         batch = greedy(model, ids, attention_mask=mask)
     rows = [c.args[0].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
     assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))
@@ -216,7 +217,7 @@ def test_padded_batch_after_eviction_masks_padding(arch: str) -> None:
     ids, mask, _ = left_padded((PROMPT, 400))
     _, model = twins(arch, SMALL)
     cache = LatentKVCache(SMALL)
-    with mock.patch("flexentropy.cache.base.kept_columns", wraps=kept_columns) as gathered:
+    with mock.patch("flexentropy.caches.layer.kept_columns", wraps=kept_columns) as gathered:
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert all(torch.isfinite(step).all() for step in out.logits)
@@ -268,7 +269,7 @@ def test_enable_rejects_what_it_cannot_run() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
-    """transformers 5.24 renamed the cache argument to `cache` (SPEC 5, read from the wheels)."""
+    """transformers 5.24 renamed the cache argument to `cache` (design.md §6, read from the wheels)."""
     import transformers
     from packaging.version import Version
 

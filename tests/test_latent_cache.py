@@ -1,4 +1,5 @@
-"""Latent KV-cache eviction (SPEC 2, paper Alg. 4): flexentropy.cache against the dense oracle reference/cache.py."""
+"""Latent KV-cache eviction (design.md §2, paper Alg. 4): flexentropy.caches against the dense oracle
+reference/cache.py."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from flexentropy.cache import (
-    LatentKVCache,
+from flexentropy.caches import LatentKVCache
+from flexentropy.caches.keywords import cache_argument
+from flexentropy.config import EntropyConfig
+from flexentropy.kv import (
     decode_attention,
     gather_kv,
     keep_indices,
     pool_scores,
     window_attention_scores,
 )
-from flexentropy.cache.keywords import cache_argument
-from flexentropy.config import EntropyConfig
 from reference import cache as ref
 
 F64 = torch.float64

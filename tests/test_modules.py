@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from flexentropy import EntropyConfig
-from flexentropy.cache import LatentKVCache
+from flexentropy.caches import LatentKVCache
 from flexentropy.modules import EntropyAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tiny_lm.py"
@@ -107,7 +107,7 @@ def test_example_model_generates_like_dense_and_evicts() -> None:
 
 def test_example_model_decodes_over_a_ragged_policy_cache() -> None:
     """A cache with ``attend`` (AdaKV: per-head budgets stored ragged) is read through it, not through update()."""
-    from flexentropy.policies import make_cache
+    from flexentropy.caches import make_cache
 
     example = load_example()
     torch.manual_seed(0)

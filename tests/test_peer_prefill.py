@@ -44,7 +44,8 @@ KNOBS = {
 
 
 def structured(q: torch.Tensor, k: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sink and locality (SPEC 5's structured inputs, small): random heads are near uniform and keep everything."""
+    """A sink and locality (design.md §6's structured inputs, small): random heads are near uniform and keep
+    everything."""
     gen = torch.Generator().manual_seed(seed)
     u = F.normalize(torch.randn(q.shape[-1], generator=gen, dtype=torch.float64), dim=0).to(q.dtype)
     q, k = q + 4 * u, k.clone()

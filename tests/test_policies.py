@@ -1,4 +1,4 @@
-"""Every prefill and cache policy (flexentropy.policies, SPEC 3) against its dense twin in reference/policies.py.
+"""Every prefill and cache policy (flexentropy.policies, design.md §3) against its dense twin in reference/policies.py.
 
 Kept sets and compressed tensors step by step, budgets per head and layer, decode attention (rectangular and
 ragged), memory bounds over 500 generated tokens for the decode-time policies, model signals (InfoKV) and
@@ -18,10 +18,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from flexentropy import EntropyConfig
-from flexentropy.cache import ragged_decode_attention
-from flexentropy.cache.base import PolicyCache
-from flexentropy.cache.signals import restricted_entropy
+from flexentropy.caches import PolicyCache, make_cache
 from flexentropy.diagnostics import forward_influence
+from flexentropy.kv import ragged_decode_attention
 from flexentropy.policies import (
     CACHE_POLICIES,
     H2O,
@@ -36,10 +35,10 @@ from flexentropy.policies import (
     SnapKV,
     StreamingLLM,
     StreamingPrefill,
-    make_cache,
     make_cache_policy,
     make_prefill,
 )
+from flexentropy.policies.cache.infokv import restricted_entropy
 from flexentropy.policies.cache.pyramidkv import pyramid_budgets
 from reference import policies as ref
 from reference.prefill import blocks_to_dense_mask, masked_attention
@@ -427,7 +426,7 @@ def test_decode_time_policies_stay_bounded_over_500_tokens(name, knobs):
 
 def test_bounded_never_exceeds_its_size_and_keeps_sinks_and_recent_chunks():
     policy = BoundedCache(sinks=3, anchors=5, recent=8, chunk=4, window=2, alpha=1.0)
-    cache = policy.build()
+    cache = make_cache(policy)
     gen = torch.Generator().manual_seed(8)
     for step in range(200):
         length = 37 if step == 0 else 1

@@ -1,4 +1,4 @@
-"""Every prefill policy x every cache policy, end to end through ``model.generate`` (SPEC 3, issue 5; the peers'
+"""Every prefill policy x every cache policy, end to end through ``model.generate`` (design.md §3, issue 5; the peers'
 prefills of issue 15 with a representative set of caches).
 
 On a tiny random Llama (from ``LlamaConfig``, nothing downloaded) with budgets small enough that every sparse prefill
@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexentropy import EntropyConfig
-from flexentropy.cache.base import PolicyCache
+from flexentropy.caches import PolicyCache, make_cache
 from flexentropy.integrations.hf import enable, prefill_density
-from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, FullCache, make_cache
+from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, FullCache
 
 PREFILLS = list(PREFILL_POLICIES)
 CACHES = list(CACHE_POLICIES)

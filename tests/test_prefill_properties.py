@@ -40,7 +40,7 @@ def test_observation_entropy_budgets_match_reference(case: dict) -> None:
     assert a_obs.dtype == torch.float32
     assert a_obs.shape == a_ref.shape
     # float32 rounds a logit of size L by ~L * 2**-24; a probability moves by about that much. Logits of O(10)
-    # keep the SPEC bound of 1e-5; unscaled D=128 logits reach ~10^3 and get the conditioning-aware bound.
+    # keep the bound of 1e-5 (design.md §1.3); unscaled D=128 logits reach ~10^3 and get the conditioning-aware bound.
     tol = 1e-5 + 2.0**-22 * _max_abs_logit(q, k, cfg)
     torch.testing.assert_close(a_obs.double(), a_ref, atol=tol, rtol=1e-5)
     candidates = a_ref.new_zeros(a_ref.shape[-2:], dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Small, hand-checkable tests of the dense reference oracle itself (reference/prefill.py, SPEC section 1)."""
+"""Small, hand-checkable tests of the dense reference oracle itself (reference/prefill.py, design.md §1)."""
 
 from __future__ import annotations
 

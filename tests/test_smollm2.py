@@ -42,7 +42,7 @@ def smollm2() -> tuple[object, object]:
 def test_finds_the_needle_like_dense(smollm2: tuple[object, object], depth: float) -> None:
     from transformers import DynamicCache
 
-    from flexentropy.cache import LatentKVCache
+    from flexentropy.caches import LatentKVCache
     from flexentropy.integrations import enable, prefill_density
 
     dense, tokenizer = smollm2

@@ -76,7 +76,7 @@ class TinyLM(nn.Module):
 
 
 def main() -> None:
-    from flexentropy.cache import LatentKVCache  # imports transformers (the Cache base class)
+    from flexentropy.caches import LatentKVCache  # imports transformers (the Cache base class)
 
     torch.manual_seed(0)
     prompt = torch.randint(0, 256, (1, 2000))

@@ -29,9 +29,11 @@ from typing import Any
 from flexentropy.config import EntropyConfig
 from flexentropy.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
 from flexentropy.eval.tasks import PLACEMENTS, TASKS
-from flexentropy.models import MODEL_HELP, YARN_HELP
+from flexentropy.runtime.loading import DTYPES
+from flexentropy.runtime.models import MODEL_HELP, YARN_HELP
 
-DEFAULT_OUT = Path("docs/results/quality")
+DEFAULT_OUT = Path("runs/quality")
+"""Default output root: an ignored folder of the working tree (commit what `docs/` quotes by hand)."""
 DIAGNOSE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 """Tasks whose samples plant facts that `flexentropy.eval.diagnose` locates."""
 
@@ -43,7 +45,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                          "file or folder name, or smollm2)")
     g.add_argument("--yarn", type=float, metavar="FACTOR", help=YARN_HELP)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
 
 
 def _geometry_args(p: argparse.ArgumentParser, several_prefixes: bool = False) -> None:

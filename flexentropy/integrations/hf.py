@@ -1,48 +1,20 @@
 """transformers integration: the ``"flexentropy"`` attention implementation and :func:`enable`.
 
-What is registered (transformers' official extension points, nothing of transformers is patched):
+Registered through transformers' extension points (nothing is patched): ``AttentionInterface["flexentropy"]`` =
+:func:`attention_forward`, and ``AttentionMaskInterface["flexentropy"]`` = :func:`logical_mask`, HF's SDPA mask
+indexed by *logical* key position, so that it stays right after an eviction.
 
-* ``AttentionInterface["flexentropy"]`` = :func:`attention_forward`, called by every attention module of a model
-  whose ``config._attn_implementation == "flexentropy"`` with post-RoPE ``query [B, Hq, L, D]`` and the cache's
-  ``key``/``value [B, Hkv, S, D]``;
-* ``AttentionMaskInterface["flexentropy"]`` = :func:`logical_mask`: the boolean SDPA mask that HF builds for
-  ``"sdpa"``, but indexed by *logical* key position ``0 .. past + L - 1`` (see below).
+How the pieces reach :func:`attention_forward`: the layer index is the module's ``layer_idx``; the `EntropyConfig`
+and the prefill policy live on ``model.config.flexentropy`` (a JSON-safe dict: ``save_pretrained`` keeps it), parsed
+once per module into a `LayerState`; the cache argument (``cache`` from transformers 5.24, ``past_key_values``
+before), which HF does not pass on to attention functions, is copied into ``flexentropy_cache`` by a forward pre-hook
+that :func:`enable` registers. A flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs
+(the hand-over of design.md §3.2).
 
-How the pieces reach :func:`attention_forward`:
-
-* the layer index is the attention module's ``layer_idx`` (every supported model sets it);
-* the `EntropyConfig` and the prefill mode live on the model config as a JSON-safe dict,
-  ``model.config.flexentropy`` (so ``save_pretrained`` keeps them and ``from_pretrained(...,
-  attn_implementation="flexentropy", flexentropy={...})`` sets them); each attention module parses it once into
-  ``module.flexentropy_state`` (a `LayerState`, which also records the layer's last prefill density);
-* the cache: HF attention modules do not pass their cache argument (``cache`` from transformers 5.24,
-  ``past_key_values`` before) on to the attention function, so :func:`enable`
-  registers a forward pre-hook on each attention module that copies that argument into the
-  keyword ``flexentropy_cache``, which the module forwards with its other ``**kwargs``. Nothing is stored between
-  calls. When that cache is a flexentropy `PolicyCache` (`LatentKVCache` and the policies of
-  :mod:`flexentropy.policies`), :func:`attention_forward` hands it the queries (``observe_queries``) on every
-  forward, after the module's ``cache.update`` (accepted by the cache's contract).
-
-What runs:
-
-* prefill (``L == S``: no past): layers that go sparse (not in ``config.dense_layers``, no sliding window, a sparse
-  prefill policy: every name of `PREFILL_POLICIES` but ``"dense"``) run the policy's plan (`select_blocks` for
-  ``"entropy"``) + `sparse_prefill_attention`; the others run HF's SDPA attention with the
-  mask HF built (Gemma3's sliding-window layers stay exactly as they are). Padding: the mask of a padded batch is
-  read as causal attention plus key padding; each row's real tokens (the mask's diagonal) are attended on their
-  own, as if the row ran alone, and pad queries get zeros. A row whose real tokens are not contiguous runs dense
-  SDPA with its mask.
-* decode and chunked steps (``L < S``): over a `PolicyCache`, ``cache.attend(query, layer_idx, mask)``: after an
-  eviction the stored entries are no longer the last positions, so the logical mask's columns are read at each KV
-  head's kept positions (`kept_columns`) and each GQA group attends with its own mask (`grouped_attention`), without
-  expanding the keys (ragged per-head layouts too). Over other caches: HF's SDPA attention with the mask's columns
-  of the keys the cache returned (its last positions).
-
-``torch.compile(model)`` traces all of this; the flex kernel stays compiled. Without a 2-D ``attention_mask`` a
-prompt is one graph; with one, HF materialises the mask while tracing and the per-row padding path graph-breaks.
-
-Only the models in `SUPPORTED_MODEL_TYPES` are supported (and tested). Inference only: no dropout, no attention
-weights, causal attention only.
+What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
+``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
+steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts); over other caches, SDPA.
+``torch.compile(model)`` traces all of this. Only `SUPPORTED_MODEL_TYPES`; inference only, causal attention only.
 """
 
 from __future__ import annotations
@@ -60,11 +32,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from flexentropy.cache.base import PolicyCache
-from flexentropy.cache.keywords import cache_argument
-from flexentropy.config import EntropyConfig
-from flexentropy.policies import PREFILL_POLICIES, make_prefill
-from flexentropy.prefill import SparsePlan, select_blocks, sparse_prefill_attention
+from flexentropy.caches.keywords import cache_argument
+from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.config import EntropyConfig, check_config
+from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill
+from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 from flexentropy.prefill.kernel import COMPILED_DTYPES
 
 ATTN_IMPLEMENTATION = "flexentropy"
@@ -74,8 +46,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 """``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
 
 PREFILL_MODES = tuple(PREFILL_POLICIES)
-"""Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1) and the other sparse policies
-(SPEC 3, issue 15) on the layers that go sparse; ``"dense"``: SDPA everywhere."""
+"""Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1) and the other sparse policies
+(design.md §3, issue 15) on the layers that go sparse; ``"dense"``: SDPA everywhere."""
 
 CONFIG_ATTR = "flexentropy"
 """Attribute of the model config holding ``{"prefill": mode, **EntropyConfig fields}``."""
@@ -111,6 +83,11 @@ class LayerState:
     prefill: str
     plans: list[SparsePlan | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
+    policy: PrefillPolicy = field(init=False, repr=False)
+    """The prefill policy named ``prefill``, on ``config``."""
+
+    def __post_init__(self) -> None:
+        self.policy = make_prefill(self.prefill, self.config)
 
     @property
     def density(self) -> float | None:
@@ -205,16 +182,15 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     Args:
         model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
         config: knobs of sparse prefill and of `LatentKVCache` (default ``EntropyConfig()``).
-        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, SPEC 1), ``"dense"`` (SDPA
+        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1), ``"dense"``
+        (SDPA
             prefill, e.g. to measure a cache policy alone), or another sparse policy (``"critiprefill"``,
             ``"streaming"``, ``"flexprefill"``, ``"xattention"``, ``"vertical_slash"``: their own knobs at their
             defaults, budget and geometry from ``config``).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    config = EntropyConfig() if config is None else config
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig or None, got {type(config).__name__}")
+    config = check_config(config, optional=True)
     _check_prefill(prefill)
     check_supported(model.config)
     if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
@@ -343,8 +319,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
         _record(state, [] if sliding_window is not None else [None])
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
     if mask is None:
-        out, plan = _sparse(query, key, value, state.config, module.layer_idx, scaling, state.prefill,
-                            state.plan_edit)
+        out, plan = _sparse(query, key, value, state, module.layer_idx, scaling)
         _record(state, [plan])
         return out.transpose(1, 2).contiguous(), None
     if mask.dtype != torch.bool:
@@ -364,8 +339,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
             # would compile the kernel again
             span = slice(start, stop)
             row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
-            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state.config, module.layer_idx, scaling,
-                                               state.prefill, state.plan_edit)
+            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state, module.layer_idx, scaling)
         else:
             out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
                                                        scale=scaling, enable_gqa=True)
@@ -375,18 +349,14 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: EntropyConfig, layer_idx: int,
-            scaling: float | None, prefill: str = "entropy", edit: PlanEdit | None = None
-            ) -> tuple[torch.Tensor, SparsePlan]:
-    """Sparse prefill of one layer under prefill policy ``prefill`` (its plan through ``edit`` when given):
+def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: LayerState, layer_idx: int,
+            scaling: float | None) -> tuple[torch.Tensor, SparsePlan]:
+    """Sparse prefill of one layer under the layer's prefill policy (its plan through ``state.plan_edit`` when given):
     ``([B, Hq, N, Dv], plan)``."""
-    if prefill == "entropy":
-        plan = select_blocks(query, key, config, layer_idx)
-    else:  # the other policies of flexentropy.PREFILL_POLICIES, on the same kernel
-        plan = make_prefill(prefill, config).plan(query, key, layer_idx)
-    if edit is not None:
-        plan = edit(layer_idx, query, key, plan)
-    return sparse_prefill_attention(query, key, value, config, layer_idx, scale=scaling, plan=plan), plan
+    plan = state.policy.plan(query, key, layer_idx)
+    if state.plan_edit is not None:
+        plan = state.plan_edit(layer_idx, query, key, plan)
+    return sparse_prefill_attention(query, key, value, state.config, layer_idx, scale=scaling, plan=plan), plan
 
 
 def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:

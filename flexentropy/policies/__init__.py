@@ -1,4 +1,4 @@
-"""Every prefill and KV-cache policy of flexentropy, selectable by name (SPEC 3-4).
+"""Every prefill and KV-cache policy of flexentropy, selectable by name (design.md §3-4).
 
 Two registries map a name to a policy class (a frozen dataclass of validated knobs with defaults)::
 
@@ -6,11 +6,10 @@ Two registries map a name to a policy class (a frozen dataclass of validated kno
     CACHE_POLICIES     full, latent, snapkv, adakv, pyramidkv, streamingllm, h2o, infokv, bounded
 
 Prefill policies map a layer's ``q``/``k`` to a `SparsePlan` run by the same FlexAttention kernel; cache policies are
-rules (when to decide, how to score, how many to keep per KV head) plugged into one transformers ``Cache``,
-`flexentropy.cache.base.PolicyCache`. Any prefill composes with any cache. Adding a policy: one file under
-``policies/prefill/`` or ``policies/cache/`` and one line in the registry below.
-
-Nothing here imports transformers; caches are built (and transformers imported) by `make_cache`.
+rules (when to decide, how to score, how many to keep per KV head) written against `LayerView` and run by one
+transformers ``Cache``, `flexentropy.caches.PolicyCache` (built by `flexentropy.make_cache`). Any prefill composes
+with any cache. Adding a policy: one file under ``policies/prefill/`` or ``policies/cache/`` and one line in the
+registry below. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from flexentropy.config import EntropyConfig
+from flexentropy.config import EntropyConfig, check_config
 from flexentropy.policies.base import CachePolicy, PrefillPolicy
 from flexentropy.policies.cache.adakv import AdaKV
 from flexentropy.policies.cache.bounded import BoundedCache
@@ -29,6 +28,7 @@ from flexentropy.policies.cache.latent import LatentPolicy
 from flexentropy.policies.cache.pyramidkv import PyramidKV
 from flexentropy.policies.cache.snapkv import SnapKV
 from flexentropy.policies.cache.streamingllm import StreamingLLM
+from flexentropy.policies.layer import LayerView
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
 from flexentropy.policies.prefill.entropy import EntropyPrefill
@@ -84,9 +84,7 @@ def make_prefill(policy: str | PrefillPolicy = "entropy", config: EntropyConfig 
         return policy
     cls = _lookup(PREFILL_POLICIES, "prefill", policy)
     own = {f.name for f in fields(cls)} - {"config"}
-    config = EntropyConfig() if config is None else config
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    config = check_config(config, optional=True)
     config_knobs = {k: v for k, v in knobs.items() if k not in own}
     if config_knobs:
         config = config.replace(**config_knobs)
@@ -107,19 +105,6 @@ def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
     return cls(**knobs)
 
 
-def make_cache(policy: str | CachePolicy = "full", *, model: Any = None, num_layers: int | None = None,
-               **knobs: Any) -> Any:
-    """A fresh transformers ``Cache`` running a cache policy; pass it as ``past_key_values`` to ``generate``.
-
-    Args:
-        policy: a name of `CACHE_POLICIES` or a `CachePolicy`.
-        model: the HF model it will serve (layer count; InfoKV/bounded attach their hidden-state hooks to it).
-        num_layers: layer count when no model is given (PyramidKV).
-        knobs: the policy's knobs (e.g. ``budget=512``).
-    """
-    return make_cache_policy(policy, **knobs).build(model, num_layers=num_layers)
-
-
 __all__ = [
     "CACHE_POLICIES",
     "PREFILL_POLICIES",
@@ -133,6 +118,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "InfoKV",
+    "LayerView",
     "LatentPolicy",
     "PrefillPolicy",
     "PyramidKV",
@@ -141,7 +127,6 @@ __all__ = [
     "StreamingPrefill",
     "VerticalSlash",
     "XAttention",
-    "make_cache",
     "make_cache_policy",
     "make_prefill",
 ]

@@ -1,9 +1,9 @@
 """The two policy interfaces: `PrefillPolicy` (which key blocks a prompt attends to) and `CachePolicy` (which cache
-entries survive decoding), plus knob validation shared by every policy.
+entries survive decoding).
 
 A policy is a frozen dataclass of knobs with defaults, validated on construction (kvpress "presses" style). Policies
-import torch only; the transformers ``Cache`` a cache policy plugs into (`flexentropy.cache.base.PolicyCache`) is
-imported when the cache is built.
+import torch only. A cache policy sees its layer through `flexentropy.policies.layer.LayerView`; the storage that runs
+it (`flexentropy.caches`) depends on the policies, never the reverse (design.md §3).
 
 Prefill policies map post-RoPE ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` of one layer to a `SparsePlan` run by the
 same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the shared cache consults per layer:
@@ -19,16 +19,15 @@ same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from flexentropy.config import EntropyConfig
+from flexentropy.config import EntropyConfig, check_config
+from flexentropy.kv.keep import keep_indices
+from flexentropy.policies.layer import LayerView
+from flexentropy.prefill.attention import sparse_prefill_attention
 from flexentropy.prefill.plan import SparsePlan
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyCache, PolicyLayer
-
 
 # --------------------------------------------------------------------------------------------------------------
 # prefill
@@ -53,8 +52,7 @@ class PrefillPolicy:
     config: EntropyConfig = field(default_factory=EntropyConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.config, EntropyConfig):
-            raise TypeError(f"{type(self).__name__}.config must be an EntropyConfig, got {type(self.config).__name__}")
+        check_config(self.config, type(self).__name__)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """Plan of one layer: ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` post-RoPE -> `SparsePlan` ``[B, Hq, C_Q, C_B]``
@@ -64,8 +62,6 @@ class PrefillPolicy:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 1, *,
                   scale: float | None = None, compiled: bool = True) -> torch.Tensor:
         """``[B, Hq, N, Dv]``: the plan run by the shared kernel (`sparse_prefill_attention`), dense plans by SDPA."""
-        from flexentropy.prefill.attention import sparse_prefill_attention
-
         plan = self.plan(q, k, layer_idx)
         return sparse_prefill_attention(q, k, v, self.config, layer_idx, scale=scale, compiled=compiled, plan=plan)
 
@@ -76,7 +72,8 @@ class PrefillPolicy:
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """Base of every cache policy: a scoring/keep rule the shared `PolicyCache` consults per layer.
+    """Base of every cache policy: a scoring/keep rule that the shared storage (`flexentropy.caches.PolicyCache`)
+    consults per layer, through a `LayerView`.
 
     Storage is per KV head (never expanded to the query heads). A rectangular policy keeps the same number of
     entries in every head (``select``); a ragged one (``ragged = True``) keeps per-head counts and the cache stores
@@ -123,40 +120,38 @@ class CachePolicy:
         return None
 
     # -- when ------------------------------------------------------------------------------------------------
-    def before_append(self, layer: PolicyLayer, incoming: int) -> int | None:
+    def before_append(self, layer: LayerView, incoming: int) -> int | None:
         """Entries per KV head to keep before appending ``incoming`` tokens, or None (no decision). Pure: HF also
         calls it through ``get_mask_sizes`` to size its masks."""
         return None
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         """Entries per KV head to keep once the layer's keys, queries (and signals) of a forward are all in."""
         return None
 
     # -- what ------------------------------------------------------------------------------------------------
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         """Importance of every stored entry, ``[B, Hkv, S]`` (higher is kept first)."""
         raise NotImplementedError
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> int | torch.Tensor:
+    def forced(self, layer: LayerView, incoming: int) -> int | torch.Tensor:
         """Entries kept whatever their score: an int ``n`` (the last ``n``) or a bool mask ``[B, Hkv, S]``."""
         return 0
 
-    def ranked_scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def ranked_scores(self, layer: LayerView) -> torch.Tensor:
         """`scores` with left-padding entries at ``-inf`` (kept only when nothing real is left), ``[B, Hkv, S]``."""
         scores, real = self.scores(layer), layer.real_entries()
         return scores if real is None else scores.masked_fill(~real, float("-inf"))
 
-    def select(self, layer: PolicyLayer, target: int, incoming: int) -> torch.Tensor:
+    def select(self, layer: LayerView, target: int, incoming: int) -> torch.Tensor:
         """Indices ``[B, Hkv, min(target, S)]`` of the kept entries, ascending (same count in every head)."""
-        from flexentropy.cache.keep import keep_indices
-
         return keep_indices(self.ranked_scores(layer), target, self.forced(layer, incoming))
 
-    def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
+    def select_ragged(self, layer: LayerView, target: int) -> torch.Tensor:
         """Ragged policies: bool keep mask ``[B, Hkv, S]`` with per-head counts."""
         raise NotImplementedError
 
-    def on_queries(self, layer: PolicyLayer, queries: torch.Tensor, first_position: int) -> None:
+    def on_queries(self, layer: LayerView, queries: torch.Tensor, first_position: int) -> None:
         """Accumulating policies: fold ``queries [B, Hq, L, D]`` (positions ``first_position ..``) into stats."""
 
     def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
@@ -164,14 +159,7 @@ class CachePolicy:
         last layer's and the predictive entropy ``[B, L]``."""
         raise NotImplementedError
 
-    # -- build -----------------------------------------------------------------------------------------------
-    def build(self, model: Any = None, *, num_layers: int | None = None) -> PolicyCache:
-        """A fresh transformers ``Cache`` running this policy; pass it as ``past_key_values``.
-
-        Args:
-            model: the HF model it will serve (gives the layer count; signal policies attach their forward hooks).
-            num_layers: the number of attention layers, when no model is given (PyramidKV needs it).
-        """
-        from flexentropy.cache.base import PolicyCache
-
-        return PolicyCache(self, model=model, num_layers=num_layers)
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Signal policies: the predictive entropy ``[B, l]`` of next-token ``logits [B, l, V]`` (passed to
+        `signal`)."""
+        raise NotImplementedError

@@ -1,4 +1,4 @@
-"""`sparse_prefill_attention`: plan + kernel for one layer's prompt, with the dense fallbacks (SPEC 1.5-1.6)."""
+"""`sparse_prefill_attention`: plan + kernel for one layer's prompt, with the dense fallbacks (design.md §1.5-1.6)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flexentropy._checks import check_layer_idx, check_qk
-from flexentropy.config import EntropyConfig
+from flexentropy.config import EntropyConfig, check_config
 from flexentropy.prefill.kernel import run_plan
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import select_blocks
@@ -40,8 +40,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     check_qk(q, k, v)
     check_layer_idx(layer_idx)
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    check_config(config)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU backward): "
                          "call it under torch.no_grad() or torch.inference_mode()")

@@ -1,4 +1,4 @@
-"""Per-(batch, query head, segment) token budgets from entropy fluctuation (paper Alg. 3, SPEC 1.4).
+"""Per-(batch, query head, segment) token budgets from entropy fluctuation (paper Alg. 3, design.md §1.4).
 
 The paper's recurrence ``B[s] = clamp(B[s-1] + alpha * B_0 * (r_s - delta_t), B_0, M * B_0)`` is sequential in s.
 Each step is a *clamp-shift* map ``x -> clamp(x + a, lo, hi)`` and such maps are closed under composition, so
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexentropy.config import EntropyConfig
+from flexentropy.config import EntropyConfig, check_config
 from flexentropy.prefill.entropy import rigid_heads
 
 _EPS = 1e-9
@@ -74,8 +74,7 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
     """
     if not isinstance(entropy, torch.Tensor) or entropy.dim() != 3:
         raise ValueError("entropy must be a 3-D tensor [B, Hq, C_S]")
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    check_config(config)
     b0 = float(config.base_budget)
     e = entropy.double()
     budgets = torch.full_like(e, b0)

@@ -1,4 +1,4 @@
-"""Segment attention entropy and the rigid/dynamic head split (paper sec. 4.2, SPEC 1.3)."""
+"""Segment attention entropy and the rigid/dynamic head split (paper sec. 4.2, design.md §1.3)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Observation attention between segment and block representatives (paper Alg. 2, SPEC 1.2)."""
+"""Observation attention between segment and block representatives (paper Alg. 2, design.md §1.2)."""
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_qk
+from flexentropy._checks import check_qk, is_int
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.prefill.representatives import chunk_extrema
 
@@ -53,7 +53,7 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
     if observation not in OBSERVATIONS:
         raise ValueError(f"observation must be one of {OBSERVATIONS}, got {observation!r}")
     for name, value in (("segment_size", segment_size), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if segment_size % block_size or segment_size % Q_BLOCK_SIZE:
         raise ValueError(f"segment_size ({segment_size}) must be a multiple of block_size ({block_size}) "

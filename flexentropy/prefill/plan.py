@@ -1,4 +1,4 @@
-"""`SparsePlan`: which key blocks every query block attends to, and its `BlockMask` (SPEC 1.6).
+"""`SparsePlan`: which key blocks every query block attends to, and its `BlockMask` (design.md §1.6).
 
 The plan is a block table ``blocks[b, h, qb, j]``: query block ``qb`` (128 tokens) of query head ``h`` attends
 key block ``j`` (``block_size`` tokens), with token-level causality applied inside blocks. The table is the single

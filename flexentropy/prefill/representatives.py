@@ -1,4 +1,4 @@
-"""Segment and block representatives (paper Alg. 1, SPEC 1.1)."""
+"""Segment and block representatives (paper Alg. 1, design.md §1.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-head top-k block selection into a `SparsePlan` (paper sec. 4.2, SPEC 1.5).
+"""Per-head top-k block selection into a `SparsePlan` (paper sec. 4.2, design.md §1.5).
 
 Pipeline: `observation_attention` -> `segment_entropy` -> `allocate_budgets` -> `block_table` -> `SparsePlan`.
 All of it is tensor code: no loop over heads or segments, no host sync.
@@ -13,7 +13,7 @@ import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
-from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
+from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config
 from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
@@ -95,7 +95,7 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
 
 
 def fixed_blocks(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Blocks every query block attends to whatever a policy selects (SPEC 1.5): its own segment causally, the
+    """Blocks every query block attends to whatever a policy selects (design.md §1.5): its own segment causally, the
     forced blocks of its segment (`forced_blocks`: sinks, ``local_blocks`` before it) and, in dense segments
     (`dense_segments`), every causal block. bool ``[C_Q, C_B]``."""
     num_segments, num_blocks = -(-seq_len // config.segment_size), -(-seq_len // config.block_size)
@@ -118,7 +118,7 @@ def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: in
 
 
 def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
-    """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (SPEC 1.5).
+    """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (design.md §1.5).
 
     Segment s attends its `fixed_blocks` (own segment causally, forced blocks, every earlier block in a dense
     segment) and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates by ``A_obs``.
@@ -174,7 +174,7 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
 
 def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1, *,
                   compiled: bool | None = None) -> SparsePlan:
-    """Entropy-guided sparse plan for one layer (paper Alg. 1-3, SPEC 1.1-1.5).
+    """Entropy-guided sparse plan for one layer (paper Alg. 1-3, design.md §1.1-1.5).
 
     Args:
         q: ``[B, Hq, N, D]`` post-RoPE queries. k: ``[B, Hkv, N, D]`` post-RoPE keys.
@@ -188,8 +188,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     """
     check_qk(q, k)
     check_layer_idx(layer_idx)
-    if not isinstance(config, EntropyConfig):
-        raise TypeError(f"config must be an EntropyConfig, got {type(config).__name__}")
+    check_config(config)
     n = q.shape[-2]
     if config.is_dense_layer(layer_idx, n):
         return dense_plan(q, config)

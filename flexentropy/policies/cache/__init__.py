@@ -1,1 +1,1 @@
-"""Cache policies (SPEC 2 and 3): each file one scoring/keep rule for the shared `flexentropy.cache.PolicyCache`."""
+"""Cache policies (design.md §2-3): each file one scoring/keep rule, run by `flexentropy.caches.PolicyCache`."""

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_number
-from flexentropy.cache.keep import keep_indices
+from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.cache.snapkv import SnapKV
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 def adaptive_keep(scores: torch.Tensor, budget: int, window: int, safeguard: float) -> torch.Tensor:
@@ -59,5 +56,5 @@ class AdaKV(SnapKV):
         super().__post_init__()
         check_number(type(self).__name__, "safeguard", self.safeguard, 0.0, 1.0)
 
-    def select_ragged(self, layer: PolicyLayer, target: int) -> torch.Tensor:
+    def select_ragged(self, layer: LayerView, target: int) -> torch.Tensor:
         return adaptive_keep(self.ranked_scores(layer), target, self.forced(layer, 0), self.safeguard)

@@ -20,16 +20,13 @@ no bidirectional chunk interior for autoregressive models).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.infokv import InfoScoring, fused_scores
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 @dataclass(frozen=True)
@@ -75,23 +72,23 @@ class BoundedCache(InfoScoring, CachePolicy):
         not before the sinks and leaves at most ``recent`` tokens after it."""
         return -(-max(total - self.recent, self.sinks, 0) // self.chunk) * self.chunk
 
-    def before_append(self, layer: PolicyLayer, incoming: int) -> int | None:
+    def before_append(self, layer: LayerView, incoming: int) -> int | None:
         if layer.prompt_length is None or layer.stored + incoming <= self.size:
             return None
         return self._target(layer, incoming)
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         return self._target(layer, 0) if layer.stored > self.size else None
 
-    def _target(self, layer: PolicyLayer, incoming: int) -> int:
+    def _target(self, layer: LayerView, incoming: int) -> int:
         start = min(self.window_start(layer.seen + incoming), layer.seen)
         fixed = min(self.sinks, layer.seen) + layer.seen - start
         return fixed + min(self.anchors, layer.stored - fixed)
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> torch.Tensor:
+    def forced(self, layer: LayerView, incoming: int) -> torch.Tensor:
         positions, row = layer.positions(), layer.row_positions()  # sinks: a row's first real tokens
         start = min(self.window_start(layer.seen + incoming), layer.seen)
         return ((row >= 0) & (row < self.sinks)) | (positions >= start)
 
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         return fused_scores(layer, self.alpha)

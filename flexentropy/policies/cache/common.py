@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from flexentropy.cache.scoring import pool_scores, window_attention_scores
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.kv.scoring import pool_scores, window_attention_scores
+from flexentropy.policies.layer import LayerView
 
 
-def window_scores(layer: PolicyLayer, kind: str = "softmax", pool: int = 1) -> torch.Tensor:
-    """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / SPEC 2 scoring):
+def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1) -> torch.Tensor:
+    """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / design.md §2 scoring):
     mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
     then average pooling of width ``pool``."""
     scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),
@@ -21,7 +17,7 @@ def window_scores(layer: PolicyLayer, kind: str = "softmax", pool: int = 1) -> t
     return pool_scores(scores, pool)
 
 
-def window_entries(layer: PolicyLayer) -> int:
+def window_entries(layer: LayerView) -> int:
     """Stored entries at the window's own positions (the last ones: every decision keeps them)."""
     first = layer.observed - layer.window.shape[-2]
     return max(0, layer.seen - first)
@@ -31,7 +27,7 @@ MAX_SCORE_ELEMENTS = 1 << 26
 """Largest ``[B, Hq, rows, S]`` block of attention scores `accumulate_attention` materialises (256 MiB in float32)."""
 
 
-def accumulate_attention(layer: PolicyLayer, queries: torch.Tensor, first_position: int,
+def accumulate_attention(layer: LayerView, queries: torch.Tensor, first_position: int,
                          chunk: int = 256) -> torch.Tensor:
     """``[B, Hkv, S]`` attention the stored entries receive from ``queries [B, Hq, L, D]`` (positions
     ``first_position ..``), *summed* over the queries and the group's query heads (causal: a query adds 0 to keys

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import accumulate_attention
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class H2O(CachePolicy):
     def capacity(self) -> int:
         return self.budget
 
-    def before_append(self, layer: PolicyLayer, incoming: int) -> int | None:
+    def before_append(self, layer: LayerView, incoming: int) -> int | None:
         if layer.prompt_length is None or layer.stored + incoming <= self.budget:
             return None
         if incoming > self.recent_tokens:
@@ -62,15 +59,15 @@ class H2O(CachePolicy):
                              f"tokens per forward")
         return self.budget - incoming
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         return self.budget if layer.stored > self.budget else None
 
-    def on_queries(self, layer: PolicyLayer, queries: torch.Tensor, first_position: int) -> None:
+    def on_queries(self, layer: LayerView, queries: torch.Tensor, first_position: int) -> None:
         layer.stats["attention"] += accumulate_attention(layer, queries, first_position, self.chunk)
 
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         return layer.stats["attention"]
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> torch.Tensor:
+    def forced(self, layer: LayerView, incoming: int) -> torch.Tensor:
         """The most recent ``recent - incoming`` stored tokens (with the incoming ones: ``recent``)."""
         return layer.positions() >= layer.seen + incoming - self.recent_tokens

@@ -1,5 +1,5 @@
-"""``infokv``: attention fused with an information signal of the model's forward pass (InfoKV, SPEC 3; the second
-seed's reading of the paper).
+"""``infokv``: attention fused with an information signal of the model's forward pass (InfoKV, design.md §3;
+the second seed's reading of the paper).
 
 Per layer ``l`` and stored token ``i``::
 
@@ -31,16 +31,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_int, check_number, check_odd
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
+from flexentropy.policies.layer import LayerView
 
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+
+def restricted_entropy(logits: torch.Tensor, top_k: int = 256) -> torch.Tensor:
+    """Entropy (nats) of the predictive distribution restricted to its ``top_k`` largest logits (InfoKV eq. 2).
+
+    Args:
+        logits: ``[..., V]`` next-token logits.
+        top_k: logits kept (all of them when ``V <= top_k``); the softmax is renormalised over them.
+
+    Returns:
+        float32 ``[...]`` (float64 for float64 logits).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    top = logits.to(dtype).topk(min(top_k, logits.shape[-1]), dim=-1).values
+    log_p = top.log_softmax(dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
 
 
 def entropy_signal(hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor, tau: float
@@ -51,15 +64,15 @@ def entropy_signal(hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: tor
     return (1.0 - cosine + tau) * entropy.float()
 
 
-def fused_scores(layer: PolicyLayer, alpha: float, pool: int = 1) -> torch.Tensor:
+def fused_scores(layer: LayerView, alpha: float, pool: int = 1) -> torch.Tensor:
     """``S = alpha * A + (1 - alpha) * softmax(E)`` over the layer's stored entries, ``[B, Hkv, S]``."""
     attention = window_scores(layer, "softmax", pool)
     if alpha >= 1.0:
         return attention
     signal = layer.stats["signal"]
     if torch.isnan(signal).any():
-        raise RuntimeError(f"{layer.owner} layer {layer.layer_idx} ({layer.policy.name}) misses the signals of "
-                           f"some stored tokens: attach the model (make_cache(name, model=model))")
+        raise RuntimeError(f"{layer.owner} layer {layer.layer_idx} misses the model signals of some stored "
+                           f"tokens: attach the model (make_cache(name, model=model))")
     real = layer.real_entries()
     signal = signal.to(attention.dtype) if real is None else signal.to(attention.dtype).masked_fill(~real, -math.inf)
     return alpha * attention + (1.0 - alpha) * signal.softmax(dim=-1)
@@ -89,6 +102,9 @@ class InfoScoring:
     @property
     def needs_signals(self) -> bool:
         return self.alpha < 1.0
+
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        return restricted_entropy(logits, self.top_k)
 
     def signal(self, hidden: torch.Tensor, last_hidden: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         return entropy_signal(hidden, last_hidden, entropy, self.tau)
@@ -123,12 +139,12 @@ class InfoKV(InfoScoring, CachePolicy):
     def capacity(self) -> int:
         return self.budget + self.compress_every
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         first = layer.evictions == 0 and layer.generated == 0 and layer.stored > self.budget
         return self.budget if first or layer.stored >= self.budget + self.compress_every else None
 
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         return fused_scores(layer, self.alpha, self.pool)
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> int:
+    def forced(self, layer: LayerView, incoming: int) -> int:
         return window_entries(layer)

@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from flexentropy._checks import check_number
 from flexentropy.policies.cache.snapkv import SnapKV
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_length: int | None = None
@@ -53,7 +50,7 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_number(type(self).__name__, "beta", self.beta, 1.0)
 
-    def layer_budget(self, layer: PolicyLayer) -> int:
+    def layer_budget(self, layer: LayerView) -> int:
         if layer.num_layers is None:
             raise ValueError("PyramidKV needs the number of layers: build the cache with make_cache('pyramidkv', "
                              "model=model) or num_layers=")

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_int, check_odd
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 @dataclass(frozen=True)
@@ -45,18 +42,18 @@ class SnapKV(CachePolicy):
     def query_window(self) -> int:
         return self.window
 
-    def layer_budget(self, layer: PolicyLayer) -> int:
+    def layer_budget(self, layer: LayerView) -> int:
         """Entries per KV head this layer keeps (PyramidKV overrides it)."""
         return self.budget
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         budget = self.layer_budget(layer)
         if layer.evictions == 0 and layer.generated == 0 and layer.stored > budget:
             return budget
         return None
 
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         return window_scores(layer, "softmax", self.pool)
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> int:
+    def forced(self, layer: LayerView, incoming: int) -> int:
         return window_entries(layer)

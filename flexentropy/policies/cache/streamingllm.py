@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import CachePolicy
-
-if TYPE_CHECKING:
-    from flexentropy.cache.base import PolicyLayer
+from flexentropy.policies.layer import LayerView
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class StreamingLLM(CachePolicy):
     def capacity(self) -> int:
         return self.budget
 
-    def before_append(self, layer: PolicyLayer, incoming: int) -> int | None:
+    def before_append(self, layer: LayerView, incoming: int) -> int | None:
         if layer.prompt_length is None or layer.stored + incoming <= self.budget:
             return None
         if incoming >= self.budget - self.sinks:
@@ -47,17 +44,17 @@ class StreamingLLM(CachePolicy):
                              f"{self.sinks} sinks; feed fewer tokens per forward")
         return self.budget - incoming
 
-    def when_settled(self, layer: PolicyLayer) -> int | None:
+    def when_settled(self, layer: LayerView) -> int | None:
         return self.budget if layer.stored > self.budget else None
 
-    def scores(self, layer: PolicyLayer) -> torch.Tensor:
+    def scores(self, layer: LayerView) -> torch.Tensor:
         return layer.positions().float()  # the most recent first
 
-    def forced(self, layer: PolicyLayer, incoming: int) -> torch.Tensor:
+    def forced(self, layer: LayerView, incoming: int) -> torch.Tensor:
         row = layer.row_positions()  # a left-padded row's sinks are its first real tokens
         return (row >= 0) & (row < self.sinks)
 
-    def select(self, layer: PolicyLayer, target: int, incoming: int) -> torch.Tensor:
+    def select(self, layer: LayerView, target: int, incoming: int) -> torch.Tensor:
         """The same as ``keep_indices(scores, target, forced)`` without sorting: every head holds the sinks first
         (never evicted) and then its most recent tokens, so the kept slots are known (with left padding still
         stored, the general rule)."""

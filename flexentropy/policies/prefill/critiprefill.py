@@ -1,6 +1,7 @@
 """``critiprefill``: segment-wise criticality with one budget for every head (CritiPrefill, Lv et al., ICASSP 2025).
 
-SPEC 3: SPEC 1.1-1.5 with ``observation="critiprefill"`` (one softmax over ``max(mean(S1, S3), mean(S2, S4))``) and
+design.md §3: design.md §1.1-1.5 with ``observation="critiprefill"`` (one softmax over ``max(mean(S1, S3), mean(S2,
+S4))``) and
 the same ``k = floor(B_0 / L_B)`` blocks for every head and segment. That is EntropyInfer's selection with every head
 rigid, so the plan reuses `select_blocks` (and its compiled graph on CUDA) with an entropy threshold above any
 entropy.

@@ -1,4 +1,4 @@
-"""``entropy``: entropy-guided sparse prefill (SPEC 1; EntropyInfer, paper sec. 4.2, Alg. 1-3)."""
+"""``entropy``: entropy-guided sparse prefill (design.md §1; EntropyInfer, paper sec. 4.2, Alg. 1-3)."""
 
 from __future__ import annotations
 
@@ -21,5 +21,5 @@ class EntropyPrefill(PrefillPolicy):
     per_head = True
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
-        """`select_blocks` (SPEC 1.1-1.5)."""
+        """`select_blocks` (design.md §1.1-1.5)."""
         return select_blocks(q, k, self.config, layer_idx)

@@ -1,0 +1,18 @@
+"""Cache storage (design.md §3.2): the transformers ``Cache`` classes that run the cache policies.
+
+- :mod:`.layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's `LayerView`);
+- :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
+- :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
+- :mod:`.factory`: `make_cache`, a cache by policy name;
+- :mod:`.signals`: forward hooks handing hidden states and logits to signal policies (InfoKV);
+- :mod:`.keywords`: the cache's keyword across transformers versions.
+"""
+
+from __future__ import annotations
+
+from flexentropy.caches.factory import make_cache
+from flexentropy.caches.latent_kv import LatentKVCache
+from flexentropy.caches.layer import PolicyLayer
+from flexentropy.caches.policy_cache import PolicyCache
+
+__all__ = ["LatentKVCache", "PolicyCache", "PolicyLayer", "make_cache"]

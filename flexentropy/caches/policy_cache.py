@@ -1,0 +1,198 @@
+"""`PolicyCache`: one transformers ``Cache`` for every KV-cache policy (design.md §3.2).
+
+A `flexentropy.policies.CachePolicy` is the rule; `PolicyLayer` the per-layer storage; this class the transformers
+``Cache`` around them: layer creation, shape checks across layers, and the hand-over of what ``update`` does not
+bring: post-RoPE queries (``observe_queries``), left padding (``observe_padding``), sliding windows
+(``observe_sliding``) and, for signal policies, hidden states and the predictive distribution (``observe_hidden`` and
+``finish_forward``, called by the hooks of `flexentropy.caches.signals.attach_signals`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+from flexentropy._checks import check_int, check_layer_idx
+from flexentropy.caches.layer import PolicyLayer
+from flexentropy.caches.signals import attach_signals
+from flexentropy.policies.base import CachePolicy
+
+
+class PolicyCache(Cache):
+    """A transformers 5.x ``Cache`` running a :class:`~flexentropy.policies.base.CachePolicy` on every layer.
+
+    Build one with ``flexentropy.make_cache(name, model=model, **knobs)`` and
+    pass it as ``past_key_values`` to ``generate`` or a forward. From a plain attention module::
+
+        cache.observe_queries(q, layer_idx)          # q [B, Hq, q_len, D], post-RoPE (policies that score with q)
+        k, v = cache.update(k_new, v_new, layer_idx)  # [B, Hkv, S, D]: compressed, per KV head
+        out = cache.attend(q, layer_idx)              # decode attention (also over a ragged layer)
+
+    Args:
+        policy: the rule.
+        model: the HF model served (its layer count; signal policies attach their hooks to it).
+        num_layers: layer count when no model is given (PyramidKV needs it).
+    """
+
+    layer_class: type[PolicyLayer] = PolicyLayer
+
+    def __init__(self, policy: CachePolicy, *, model: Any = None, num_layers: int | None = None) -> None:
+        if not isinstance(policy, CachePolicy):
+            raise TypeError(f"policy must be a CachePolicy, got {type(policy).__name__}")
+        super().__init__(layers=[])
+        self.policy = policy
+        if num_layers is None and model is not None:
+            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            num_layers = config.num_hidden_layers
+        if num_layers is not None:
+            check_int("", "num_layers", num_layers, 1)
+        self.num_layers = num_layers
+        self._dims: dict[str, tuple[int, str]] = {}  # name -> (size, the call that fixed it)
+        self._hidden: dict[int, torch.Tensor] = {}
+        if model is not None and policy.needs_signals:
+            attach_signals(model)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.policy!r}, layers={len(self.layers)})"
+
+    def _layer(self, layer_idx: int) -> PolicyLayer:
+        check_layer_idx(layer_idx)
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self.layer_class(self.policy, len(self.layers), type(self).__name__, self.num_layers))
+        return self.layers[layer_idx]
+
+    def _check_dims(self, where: str, **sizes: int) -> None:
+        """Every layer and call must agree on batch size, heads and head dims; GQA needs Hq % Hkv == 0."""
+        for name, size in sizes.items():
+            expected, origin = self._dims.setdefault(name, (size, where))
+            if size != expected:
+                raise ValueError(f"{where}: expected {name} {expected} (as in {origin}), got {size}; every layer of "
+                                 f"a {type(self).__name__} must share batch size, heads and head dims")
+        if "query_heads" in self._dims and "kv_heads" in self._dims:
+            (q_heads, _), (kv_heads, _) = self._dims["query_heads"], self._dims["kv_heads"]
+            if q_heads % kv_heads:
+                raise ValueError(f"{where}: query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+
+    # -- hand-over -----------------------------------------------------------------------------------------------
+    def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
+        """Hand over one forward's post-RoPE queries ``[B, Hq, q_len, D]`` of layer ``layer_idx`` (every forward)."""
+        if not isinstance(query_states, torch.Tensor) or query_states.dim() != 4 or query_states.shape[2] == 0:
+            got = list(query_states.shape) if isinstance(query_states, torch.Tensor) else type(query_states).__name__
+            raise ValueError(f"observe_queries expects post-RoPE query_states [B, Hq, q_len >= 1, D], got {got}")
+        batch, q_heads, _, dim = query_states.shape
+        where = f"observe_queries(layer_idx={layer_idx}) query_states {list(query_states.shape)}"
+        self._check_dims(where, batch_size=batch, query_heads=q_heads, head_dim=dim)
+        layer = self._layer(layer_idx)
+        if layer.is_initialized and query_states.device != layer.keys.device:
+            raise ValueError(f"{where} is on {query_states.device}, expected {layer.keys.device} like the keys")
+        layer.observe(query_states)
+
+    def observe_padding(self, real_tokens: torch.Tensor, layer_idx: int) -> None:
+        """Hand over which prompt tokens are real, ``real_tokens [B, N]`` bool (before `observe_queries`).
+
+        A left-padded row's padding entries are then never attended by the scores, rank below every real entry
+        when entries are evicted, and are not sinks, so each row keeps what it would keep alone. Only left padding
+        (each row's real tokens last and contiguous, as ``generate`` pads) is read; other patterns are ignored.
+        """
+        if not isinstance(real_tokens, torch.Tensor) or real_tokens.dtype != torch.bool or real_tokens.dim() != 2:
+            got = (f"{real_tokens.dtype} {list(real_tokens.shape)}" if isinstance(real_tokens, torch.Tensor)
+                   else type(real_tokens).__name__)
+            raise ValueError(f"observe_padding expects a bool [B, N] mask of real tokens, got {got}")
+        layer = self._layer(layer_idx)
+        pads = (~real_tokens).sum(dim=-1)
+        left = torch.arange(real_tokens.shape[-1], device=real_tokens.device) >= pads[:, None]
+        layer.padding = pads if bool(pads.any()) and torch.equal(left, real_tokens) else None
+
+    def observe_sliding(self, window: int, layer_idx: int) -> None:
+        """Mark layer ``layer_idx`` as a sliding-window layer of ``window`` tokens (before its first ``update``): it
+        then keeps only its last ``window - 1`` tokens, as transformers' own cache does, and the policy does not
+        apply to it (flexentropy's HF attention calls this for Gemma3's local layers and the like)."""
+        check_int("observe_sliding", "window", window, 1)
+        self._layer(layer_idx).sliding_window = window
+
+    @property
+    def wants_signals(self) -> bool:
+        """Whether the policy needs ``observe_hidden``/``finish_forward`` (the hooks of `attach_signals`)."""
+        return self.policy.needs_signals
+
+    def observe_hidden(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        """Hand over decoder layer ``layer_idx``'s output hidden states ``[B, L, d]`` of the current forward (kept
+        unit-normalised until `finish_forward`)."""
+        self._hidden[layer_idx] = F.normalize(hidden_states.detach().float(), dim=-1).to(hidden_states.dtype)
+
+    def finish_forward(self, last_hidden: torch.Tensor, logits_fn: Any, *, chunk: int = 1024) -> None:
+        """End of a forward: the predictive entropy ``H [B, L]`` of its tokens, then every handed-over layer's signal
+        ``policy.signal(h_l, h_L, H)`` recorded at its tokens' entries (and the layers settled).
+
+        Args:
+            last_hidden: the last decoder layer's output ``[B, L, d]`` (the final norm's input).
+            logits_fn: maps ``[B, l, d]`` last-layer states to next-token logits ``[B, l, V]`` (final norm and LM
+                head); applied in chunks of ``chunk`` tokens, so ``[B, L, V]`` is never built for long prompts.
+        """
+        hidden, self._hidden = self._hidden, {}
+        if not hidden:
+            return
+        with torch.no_grad():
+            last_hidden = last_hidden.detach()
+            unit_last = F.normalize(last_hidden.float(), dim=-1)
+            entropy = torch.cat([self.policy.entropy(logits_fn(part)) for part in last_hidden.split(chunk, dim=1)],
+                                dim=1)
+            for layer_idx, states in hidden.items():
+                self.layers[layer_idx].record_signal(self.policy.signal(states, unit_last, entropy))
+
+    # -- the cache API -------------------------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states [B, Hkv, q_len, D]``, ``value_states [B, Hkv, q_len, Dv]`` to layer ``layer_idx``
+        (deciding first when due) and return the layer's stored ``(keys, values)``, ``[B, Hkv, S, D]``."""
+        for name, tensor in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[2] == 0:
+                got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"update expects {name} [B, Hkv, q_len >= 1, D], got {got}")
+        where = f"update(layer_idx={layer_idx}) key_states {list(key_states.shape)}"
+        if value_states.shape[:3] != key_states.shape[:3]:
+            raise ValueError(f"{where}: expected value_states [B, Hkv, q_len, Dv] = {list(key_states.shape[:3])} "
+                             f"+ [Dv], got {list(value_states.shape)}")
+        batch, kv_heads, _, dim = key_states.shape
+        self._check_dims(where, batch_size=batch, kv_heads=kv_heads, head_dim=dim, value_dim=value_states.shape[-1])
+        previous = self.layers[layer_idx - 1] if 0 < layer_idx <= len(self.layers) else None
+        if self.policy.uses_queries and previous is not None and previous.seen and not previous.observed:
+            previous.missing_queries()  # its attention ran without handing over queries: fail at the first forward
+        return self._layer(layer_idx).update(key_states, value_states)
+
+    def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """Decode attention of layer ``layer_idx``'s newest tokens over what it holds (`PolicyLayer.attend`)."""
+        return self.layers[layer_idx].attend(query, attention_mask, scale)
+
+    def is_ragged(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` stores per-head counts without padding (read it through `attend`)."""
+        return layer_idx < len(self.layers) and self.layers[layer_idx].ragged is not None
+
+    def stored_length(self, layer_idx: int = 0) -> int:
+        """Entries held per KV head in layer ``layer_idx`` (ragged: the longest head; ``get_seq_length`` is the
+        logical length)."""
+        return self.layers[layer_idx].stored if layer_idx < len(self.layers) else 0
+
+    def head_lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        """int64 ``[B, Hkv]`` entries held by every (batch row, KV head) of layer ``layer_idx``."""
+        return self.layers[layer_idx].head_lengths()
+
+    def kept_positions(self, layer_idx: int = 0) -> torch.Tensor:
+        """``[B, Hkv, S]`` int64 original token position of each stored entry of layer ``layer_idx``."""
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"layer {layer_idx} of the {type(self).__name__} holds nothing yet "
+                             f"({len(self.layers)} layers)")
+        if self.layers[layer_idx].ragged is not None:
+            raise ValueError(f"layer {layer_idx} is ragged (per-head counts): read it through attend()")
+        return self.layers[layer_idx].positions()
+
+    def nbytes(self, layer_idx: int | None = None) -> int:
+        """Real bytes held by layer ``layer_idx`` (all layers when None): keys, values, positions, statistics and
+        the query window."""
+        layers = self.layers if layer_idx is None else self.layers[layer_idx : layer_idx + 1]
+        return sum(layer.nbytes() for layer in layers)

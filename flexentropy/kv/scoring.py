@@ -1,0 +1,105 @@
+"""Score: importance of each cached key under a window of recent queries (design.md §2; paper sec. 4.3, Alg. 4 step 2).
+
+First stage of the cache's *score -> keep -> gather* pipeline. Pure functions over tensors, vectorised over batch,
+heads, window queries and keys, so that every eviction policy of design.md §3 (SnapKV, AdaKV, PyramidKV, InfoKV...)
+scores the same way. Memory is ``O(B * Hq * W * T)`` for ``W`` window queries and ``T`` cached keys: never ``T x T``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from flexentropy._checks import is_int
+
+SCORE_KINDS = ("softmax", "raw")
+"""``softmax``: mean attention probability (design.md §2 default); ``raw``: the paper's sum of logits (Alg. 4 line
+14)."""
+
+
+def _check_positions(name: str, positions: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise TypeError(f"{name} must be an integer tensor of token positions, got {got}")
+    if tuple(positions.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)}, "
+                         f"got {list(positions.shape)}")
+
+
+def window_attention_scores(
+    window_q: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    kind: Literal["softmax", "raw"] = "softmax",
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Importance of every cached key per KV head, from a window of post-RoPE queries (paper Alg. 4 step 2).
+
+    Args:
+        window_q: ``[B, Hq, W, D]`` the window's queries (post-RoPE), ``Hq = G * Hkv``; query head ``h`` belongs to
+            KV head ``h // G`` (the layout of HF ``repeat_kv`` and SDPA ``enable_gqa``).
+        keys: ``[B, Hkv, T, D]`` cached keys, stored per KV head.
+        query_positions: ``[W]`` logical token positions of the window's queries.
+        key_positions: ``[T]`` or ``[B, Hkv, T]`` logical token positions of the cached keys (after an eviction
+            every head keeps its own entries). Query ``i`` sees key ``j`` iff ``key_positions[j] <=
+            query_positions[i]`` (causal).
+        kind: ``"softmax"`` (design.md §2): for each window query and each of the group's ``G`` query heads, the
+        softmax of
+            ``scale * q.k`` over the keys it sees, averaged over the ``W * G`` (query, head) pairs; a key a query does
+            not see contributes probability 0, and a query that sees no cached key (all evicted) contributes nothing.
+            ``"raw"`` (paper Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of
+            the unscaled logits ``q.k`` over the same pairs, a key a query does not see contributing 0.
+        scale: softmax temperature, default ``1 / sqrt(D)``; ignored by ``"raw"``.
+        key_mask: optional bool ``[B, Hkv, T]``: False hides a key from every query (e.g. a left-padding token), as
+            if it were not cached (score 0).
+
+    Returns:
+        ``[B, Hkv, T]`` scores, float32 (float64 when the inputs are float64): higher is more important.
+    """
+    if window_q.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"window_q must be [B, Hq, W, D] and keys [B, Hkv, T, D], got {list(window_q.shape)} "
+                         f"and {list(keys.shape)}")
+    batch, q_heads, window, dim = window_q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != batch or keys.shape[3] != dim:
+        raise ValueError(f"keys {list(keys.shape)} must match window_q {list(window_q.shape)} in batch and head dim")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a positive multiple of key/value heads ({kv_heads})")
+    if kind not in SCORE_KINDS:
+        raise ValueError(f"kind must be one of {SCORE_KINDS}, got {kind!r}")
+    _check_positions("query_positions", query_positions, ((window,),))
+    _check_positions("key_positions", key_positions, ((length,), (batch, kv_heads, length)))
+
+    dtype = torch.promote_types(window_q.dtype, torch.float32)
+    group = q_heads // kv_heads
+    q = rearrange(window_q.to(dtype), "b (h g) w d -> b h (g w) d", g=group)
+    logits = rearrange(q @ keys.to(dtype).transpose(-1, -2), "b h (g w) t -> b h g w t", g=group)
+    # [W, T] or [B, Hkv, W, T], then a singleton axis for the group's query heads.
+    visible = (key_positions.unsqueeze(-2) <= query_positions.unsqueeze(-1)).unsqueeze(-3)
+    if key_mask is not None:
+        visible = visible & key_mask[:, :, None, None, :]
+    if kind == "raw":
+        return logits.masked_fill_(~visible, 0.0).sum(dim=(2, 3))
+    logits.mul_(dim**-0.5 if scale is None else scale).masked_fill_(~visible, float("-inf"))
+    probs = logits.softmax(dim=-1).masked_fill_(~visible.any(dim=-1, keepdim=True), 0.0)  # sees nothing: adds 0
+    return probs.mean(dim=(2, 3))
+
+
+def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """1-D average pooling of ``scores [..., T]`` along ``T``, same length (design.md §2 ``decode_pool``, as SnapKV).
+
+    Entry ``t`` becomes the sum of ``scores[t - width//2 : t + width//2 + 1]`` divided by ``width``: positions
+    beyond either end count as 0 (zero padding included in the average). ``width`` is odd; 1 returns ``scores``.
+    """
+    if not is_int(width) or width < 1 or width % 2 == 0:
+        raise ValueError(f"width must be an odd int >= 1 (1 = no pooling), got {width!r}")
+    if width == 1:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    return F.avg_pool1d(flat, width, stride=1, padding=width // 2).reshape(scores.shape)

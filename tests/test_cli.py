@@ -131,7 +131,7 @@ def test_help_does_not_import_transformers() -> None:
 def test_default_model_end_to_end(tmp_path: Path) -> None:
     """``python -m flexentropy`` with the embedded default model, on a short prompt: both runs find the needle."""
     out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, "-m", "flexentropy", "--context-length", "1200", "--json", str(out)],
+    result = subprocess.run([sys.executable, "-m", "flexentropy", "--context-length", "1500", "--json", str(out)],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needle found" in result.stdout

@@ -23,11 +23,13 @@ from typing import ClassVar
 
 import torch
 
+from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.layer import LayerView
 from flexentropy.prefill.attention import sparse_prefill_attention
 from flexentropy.prefill.plan import SparsePlan
+from flexentropy.prefill.selection import dense_plan
 
 # --------------------------------------------------------------------------------------------------------------
 # prefill
@@ -56,7 +58,16 @@ class PrefillPolicy:
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """Plan of one layer: ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` post-RoPE -> `SparsePlan` ``[B, Hq, C_Q, C_B]``
-        (``dense=True`` where the layer runs plain causal attention)."""
+        (``dense=True`` where the layer runs plain causal attention: `EntropyConfig.is_dense_layer`); the sparse
+        layers' plan is the rule's `sparse_plan`."""
+        check_qk(q, k)
+        check_layer_idx(layer_idx)
+        if self.config.is_dense_layer(layer_idx, q.shape[-2]):
+            return dense_plan(q, self.config)
+        return self.sparse_plan(q, k)
+
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+        """The rule: the plan of a layer that goes sparse (inputs already checked), ``[B, Hq, C_Q, C_B]``."""
         raise NotImplementedError
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 1, *,

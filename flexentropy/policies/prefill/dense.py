@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import dense_plan
@@ -20,8 +19,6 @@ class DensePrefill(PrefillPolicy):
     paper = "full attention (Vaswani et al., 2017)"
     keeps = "every causal key"
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
-        """The dense plan (every causal block, ``dense=True``) for ``q [B, Hq, N, D]``."""
-        check_qk(q, k)
-        check_layer_idx(layer_idx)
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+        """The dense plan (every causal block, ``dense=True``) for ``q [B, Hq, N, D]``, whatever the layer."""
         return dense_plan(q, self.config)

@@ -11,12 +11,12 @@ from typing import NamedTuple
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_int, check_layer_idx, check_number, check_qk
+from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import block_means, block_sums, compute_dtype, last_queries_attention
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
-from flexentropy.prefill.selection import dense_plan, fixed_blocks, mass_cover, query_block_table, top_k_mask
+from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table, top_k_mask
 
 
 class FlexPrefillEstimate(NamedTuple):
@@ -136,14 +136,10 @@ class FlexPrefill(PrefillPolicy):
         block_mass = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).masked_fill(~causal, 0.0)
         return FlexPrefillEstimate(vertical, slash, pooled, divergence, divergence < self.tau, block_mass)
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
         """Per head the query-aware pairs or the vertical-slash blocks (plus the minimum columns and diagonals),
         composed with the shared fixed blocks by `query_block_table`."""
-        check_qk(q, k)
-        check_layer_idx(layer_idx)
         n, block = q.shape[-2], self.config.block_size
-        if self.config.is_dense_layer(layer_idx, n):
-            return dense_plan(q, self.config)
         est = self.estimate(q, k)
         num_blocks = est.vertical.shape[-1]
         j = torch.arange(num_blocks, device=q.device)

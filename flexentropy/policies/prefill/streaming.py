@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy._checks import check_int, check_layer_idx, check_qk
+from flexentropy._checks import check_int
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.plan import SparsePlan
-from flexentropy.prefill.selection import block_table, dense_plan
+from flexentropy.prefill.selection import block_table
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,9 @@ class StreamingPrefill(PrefillPolicy):
         """Local window in tokens (``window``, or ``config.base_budget`` when None)."""
         return int(self.config.base_budget) if self.window is None else self.window
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
         """The shared `block_table` with no top-k (zero budgets) and the window as forced local blocks."""
-        check_qk(q, k)
-        check_layer_idx(layer_idx)
         n = q.shape[-2]
-        if self.config.is_dense_layer(layer_idx, n):
-            return dense_plan(q, self.config)
         config = self.config.replace(local_blocks=-(-self.local_tokens // self.config.block_size))
         segments, blocks = -(-n // config.segment_size), -(-n // config.block_size)
         scores = torch.zeros(1, 1, segments, blocks, device=q.device)

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy._checks import check_int, check_layer_idx, check_qk
+from flexentropy._checks import check_int
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import block_sums, last_queries_attention
 from flexentropy.prefill.plan import SparsePlan
-from flexentropy.prefill.selection import dense_plan, query_block_table, top_k_mask
+from flexentropy.prefill.selection import query_block_table, top_k_mask
 
 LAST_QUERIES = 64
 """Queries whose attention picks the pattern (MInference's ``last_q``)."""
@@ -96,13 +96,9 @@ class VerticalSlash(PrefillPolicy):
         diagonals = top_k_mask(slash, every, torch.full(slash.shape[:-1], min(self.slash, n), device=q.device))
         return columns, diagonals
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
         """`select_tokens` -> `pattern_blocks` -> `query_block_table`."""
-        check_qk(q, k)
-        check_layer_idx(layer_idx)
         n = q.shape[-2]
-        if self.config.is_dense_layer(layer_idx, n):
-            return dense_plan(q, self.config)
         selected = pattern_blocks(*self.select_tokens(q, k), self.config.block_size)
         return SparsePlan(query_block_table(selected, self.config, n), n, self.config.block_size)
 

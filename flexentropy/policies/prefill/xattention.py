@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_int, check_layer_idx, check_number, check_qk
+from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import compute_dtype
 from flexentropy.prefill.plan import SparsePlan, causal_blocks
-from flexentropy.prefill.selection import dense_plan, fixed_blocks, mass_cover, query_block_table
+from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table
 
 CHUNK_SCORES = 2**28
 """Most stride-level scores alive at once while scoring (1 GiB in float32): query tiles are scored in chunks."""
@@ -99,13 +99,9 @@ class XAttention(PrefillPolicy):
         """`antidiagonal_block_mass` at this policy's stride and block size: ``[B, Hq, C_Q, C_B]``."""
         return antidiagonal_block_mass(q, k, self.stride, self.config.block_size)
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
         """`mass_cover` of every query block's row of `block_mass`, composed by `query_block_table`."""
-        check_qk(q, k)
-        check_layer_idx(layer_idx)
         n = q.shape[-2]
-        if self.config.is_dense_layer(layer_idx, n):
-            return dense_plan(q, self.config)
         fixed = fixed_blocks(n, self.config, q.device)
         free = causal_blocks(n, self.config.block_size, q.device) & ~fixed
         chosen = mass_cover(self.block_mass(q, k), free, fixed, self.threshold)

@@ -284,7 +284,7 @@ def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: 
     model.save_pretrained(tmp_path)  # config.flexentropy is JSON: it survives the round trip
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy").eval()
     assert loaded.config._attn_implementation == "flexentropy"
-    assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, "entropy")
+    assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, "entropy", {})
     ids = prompt()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
@@ -292,6 +292,26 @@ def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: 
     knobs = hf.settings_dict(COVERING, "entropy")
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy", flexentropy=knobs)
     assert torch.equal(greedy(fresh.eval(), ids), greedy(dense, ids))
+
+
+def test_a_policy_with_knobs_of_its_own_runs_and_survives_save(tmp_path: object) -> None:
+    """``enable(model, prefill=make_prefill(name, config, **knobs))``: the rule's own knobs (here a local window
+    and a mass threshold) reach every layer and the saved config; the eval's policy specs go this way."""
+    from flexentropy.policies import make_prefill
+
+    for policy in (make_prefill("streaming", SMALL, window=128), make_prefill("xattention", SMALL, threshold=0.5)):
+        _, model = twins("llama", SMALL)
+        enable(model, prefill=policy)
+        assert {hf.layer_state(m).policy for m in hf.attention_modules(model)} == {policy}
+        with torch.no_grad():
+            model(prompt())
+        assert prefill_density(model) < 1.0
+        model.save_pretrained(tmp_path)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy")
+        assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, policy.name, policy.knobs)
+        assert hf.layer_state(hf.attention_modules(loaded)[1]).policy == policy
+    with pytest.raises(TypeError, match="carries its EntropyConfig"):
+        enable(model, COVERING, prefill=policy)
 
 
 @pytest.mark.slow

@@ -74,15 +74,11 @@ def make_prefill_policy(spec: str, config: EntropyConfig, budget: float | None) 
 
 
 def apply_prefill(model: Any, policy: Any) -> None:
-    """Switch ``model`` to flexentropy attention running prefill ``policy`` (`flexentropy.enable`, which takes a
-    policy by name over an `EntropyConfig`: a policy with knobs of its own beyond the config cannot run there)."""
+    """Switch ``model`` to flexentropy attention running prefill ``policy``, its own knobs included
+    (`flexentropy.enable`)."""
     from flexentropy.integrations.hf import enable
-    from flexentropy.policies import make_prefill
 
-    if policy != make_prefill(policy.name, policy.config):
-        raise ValueError(f"{policy} has knobs of its own; the HF integration runs prefill policies by name with "
-                         "their knobs from the EntropyConfig (use it for attention fidelity only)")
-    enable(model, policy.config, prefill=policy.name)
+    enable(model, prefill=policy)
 
 
 def make_run_cache(model: Any, spec: str, budget: int | None) -> Any:

@@ -60,6 +60,9 @@ CACHE_KWARG = "flexentropy_cache"
 
 _HOOK_ATTR = "_flexentropy_hook"
 
+KNOBS_KEY = "prefill_knobs"
+"""Key of ``model.config.flexentropy`` holding the prefill policy's own knobs (when set)."""
+
 PlanEdit = Callable[[int, torch.Tensor, torch.Tensor, SparsePlan], SparsePlan]
 """``(layer_idx, query [B, Hq, N, D], key [B, Hkv, N, D], plan) -> plan``: applied to each sparse prefill plan before
 the kernel runs it (`LayerState.plan_edit`; diagnostics such as hybrid dense/sparse runs)."""
@@ -72,6 +75,7 @@ class LayerState:
     Attributes:
         config: the `EntropyConfig`.
         prefill: one of `PREFILL_MODES`.
+        knobs: the prefill policy's own knobs (`PrefillPolicy.knobs`; empty: its defaults).
         plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
             empty before any prefill, for sliding-window layers, and under ``torch.compile``. Kept as tensors so
             the prefill path never waits on the GPU; `density` reads them on request.
@@ -81,13 +85,14 @@ class LayerState:
 
     config: EntropyConfig
     prefill: str
+    knobs: dict[str, Any] = field(default_factory=dict)
     plans: list[SparsePlan | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
     policy: PrefillPolicy = field(init=False, repr=False)
-    """The prefill policy named ``prefill``, on ``config``."""
+    """The prefill policy named ``prefill``, on ``config``, with its own ``knobs``."""
 
     def __post_init__(self) -> None:
-        self.policy = make_prefill(self.prefill, self.config)
+        self.policy = make_prefill(self.prefill, self.config, **self.knobs)
 
     @property
     def density(self) -> float | None:
@@ -110,32 +115,35 @@ def register() -> None:
 # configuration
 
 
-def settings_dict(config: EntropyConfig, prefill: str) -> dict[str, Any]:
-    """JSON-safe ``{"prefill": prefill, **fields of config}`` as stored on the model config."""
-    return {"prefill": prefill, **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}}
+def settings_dict(config: EntropyConfig, prefill: str, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """JSON-safe ``{"prefill": prefill, "prefill_knobs": knobs, **fields of config}`` as stored on the model config
+    (``"prefill_knobs"`` only when the policy has knobs set)."""
+    own = {KNOBS_KEY: dict(knobs)} if knobs else {}
+    return {"prefill": prefill, **own, **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}}
 
 
-def parse_settings(value: object) -> tuple[EntropyConfig, str]:
-    """``(config, prefill)`` from a model config's ``flexentropy`` attribute.
+def parse_settings(value: object) -> tuple[EntropyConfig, str, dict[str, Any]]:
+    """``(config, prefill, knobs)`` from a model config's ``flexentropy`` attribute.
 
-    Accepts None (defaults), an `EntropyConfig`, or a dict of `EntropyConfig` fields plus an optional
-    ``"prefill"`` key (lists are read as tuples).
+    Accepts None (defaults), an `EntropyConfig`, or a dict of `EntropyConfig` fields plus optional ``"prefill"``
+    and ``"prefill_knobs"`` keys (lists are read as tuples).
     """
     if value is None:
-        return EntropyConfig(), "entropy"
+        return EntropyConfig(), "entropy", {}
     if isinstance(value, EntropyConfig):
-        return value, "entropy"
+        return value, "entropy", {}
     if not isinstance(value, dict):
         raise TypeError(f"config.{CONFIG_ATTR} must be a dict of EntropyConfig fields or an EntropyConfig, "
                         f"got {type(value).__name__}")
     knobs = dict(value)
     prefill = knobs.pop("prefill", "entropy")
+    own = dict(knobs.pop(KNOBS_KEY, None) or {})
     _check_prefill(prefill)
     unknown = set(knobs) - {f.name for f in fields(EntropyConfig)}
     if unknown:
         raise ValueError(f"config.{CONFIG_ATTR} has unknown EntropyConfig field(s) {sorted(unknown)}")
     knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}
-    return EntropyConfig(**knobs), prefill
+    return EntropyConfig(**knobs), prefill, own
 
 
 def _check_prefill(prefill: object) -> None:
@@ -147,8 +155,7 @@ def layer_state(module: nn.Module) -> LayerState:
     """The module's `LayerState`, parsed from ``module.config.flexentropy`` on first use."""
     state = getattr(module, STATE_ATTR, None)
     if state is None:
-        config, prefill = parse_settings(getattr(module.config, CONFIG_ATTR, None))
-        state = LayerState(config, prefill)
+        state = LayerState(*parse_settings(getattr(module.config, CONFIG_ATTR, None)))
         setattr(module, STATE_ATTR, state)
     return state
 
@@ -171,7 +178,7 @@ def check_supported(config: Any) -> None:
         raise ValueError("flexentropy supports causal attention only (config.use_bidirectional_attention=True)")
 
 
-def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str = "entropy"
+def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy"
            ) -> PreTrainedModel:
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
@@ -182,14 +189,21 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     Args:
         model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
         config: knobs of sparse prefill and of `LatentKVCache` (default ``EntropyConfig()``).
-        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1), ``"dense"``
-        (SDPA
-            prefill, e.g. to measure a cache policy alone), or another sparse policy (``"critiprefill"``,
-            ``"streaming"``, ``"flexprefill"``, ``"xattention"``, ``"vertical_slash"``: their own knobs at their
-            defaults, budget and geometry from ``config``).
+        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1),
+            ``"dense"`` (SDPA prefill, e.g. to measure a cache policy alone), or another sparse policy
+            (``"critiprefill"``, ``"streaming"``, ``"flexprefill"``, ``"xattention"``, ``"vertical_slash"``: their
+            own knobs at their defaults, budget and geometry from ``config``); or a `PrefillPolicy` with knobs of
+            its own, e.g. ``make_prefill("xattention", cfg, threshold=0.8)``, which carries its config (leave
+            ``config`` None or pass the same one).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
+    if isinstance(prefill, PrefillPolicy):
+        if config is not None and config != prefill.config:
+            raise TypeError("a PrefillPolicy carries its EntropyConfig: pass config=None (or the policy's own config)")
+        config, prefill, knobs = prefill.config, prefill.name, prefill.knobs
+    else:
+        knobs = {}
     config = check_config(config, optional=True)
     _check_prefill(prefill)
     check_supported(model.config)
@@ -201,9 +215,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill))
+    setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
-        setattr(module, STATE_ATTR, LayerState(config, prefill))
+        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs))
         if getattr(module, _HOOK_ATTR, None) is None:
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
     return model

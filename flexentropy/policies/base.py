@@ -18,8 +18,8 @@ same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,6 +55,12 @@ class PrefillPolicy:
 
     def __post_init__(self) -> None:
         check_config(self.config, type(self).__name__)
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        """The rule's own knobs (every field but ``config``), e.g. ``{"threshold": 0.9, "stride": 8}``:
+        ``make_prefill(policy.name, policy.config, **policy.knobs) == policy``."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """Plan of one layer: ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` post-RoPE -> `SparsePlan` ``[B, Hq, C_Q, C_B]``

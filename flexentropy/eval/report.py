@@ -19,6 +19,7 @@ from typing import Any
 from flexentropy.eval.metrics import common_prefix_tokens
 from flexentropy.eval.plotting import pyplot, save
 from flexentropy.eval.runner import CONFIG_FILE, METRICS_FILE, RunSpec, read_predictions
+from flexentropy.policies import PREFILL_POLICIES
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
 """Marker and line style per policy, so that policies with equal scores stay visible on top of each other."""
@@ -107,8 +108,13 @@ def pivot(rows: Iterable[Row], row_key: Callable[[Row], str], col_key: Callable[
     return "\n".join(out)
 
 
+SPARSE_PREFILLS = tuple(name for name in PREFILL_POLICIES if name != "dense")
+"""Every sparse prefill policy, in registry order (the order of table rows and plot lines)."""
+
+
 def _prefill_order(row: Row) -> tuple:
-    return ({"dense": 0, "entropy": 1, "critiprefill": 2, "streaming": 3}.get(row["prefill"], 9), row["prefill"],
+    names = list(PREFILL_POLICIES)
+    return (names.index(row["prefill"]) if row["prefill"] in names else len(names), row["prefill"],
             row["prefill_budget"] or 0)
 
 
@@ -178,8 +184,7 @@ MIN_DENSITY_SPAN = 0.1
 """`plot_accuracy_vs_density`: (task, length) panels per row, and the narrowest density range a panel shows."""
 
 
-def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, ...] = ("entropy", "critiprefill",
-                                                                                       "streaming")) -> bool:
+def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, ...] = SPARSE_PREFILLS) -> bool:
     """Score and agreement with dense against measured density, per prefill policy (full cache, question after
     the context), one column per (task, length). False when there is nothing to plot."""
     plt = pyplot()
@@ -210,8 +215,9 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
             top.errorbar(x, y, yerr=err, marker=MARKERS[i], ls=LINESTYLES[i % len(LINESTYLES)], capsize=3,
                          label=prefill, alpha=0.85, color=f"C{i}")
             for r in line:
-                top.annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
-                             textcoords="offset points", xytext=(3, 3))
+                if r["prefill_budget"] is not None:
+                    top.annotate(str(r["prefill_budget"]), (r["density"], r["score"]), fontsize=7,
+                                 textcoords="offset points", xytext=(3, 3))
             bottom.plot(x, [r["prefix_agreement"] for r in line], marker=MARKERS[i],
                         ls=LINESTYLES[i % len(LINESTYLES)], label=prefill, color=f"C{i}")
         for r in group:
@@ -227,11 +233,11 @@ def plot_accuracy_vs_density(rows: list[Row], path: Path, prefills: tuple[str, .
         if col == 0:
             top.set_ylabel("score (95% Wilson interval)")
             bottom.set_ylabel("share of the dense greedy answer\nreproduced before divergence")
-    fig.supxlabel("mean prefill density (computed / causal key blocks, all layers)")
+    fig.supxlabel("mean prefill density\n(computed / causal key blocks, all layers)")
     legend = {label: handle for ax in axes[::2].flat for handle, label in zip(*ax.get_legend_handles_labels(),
                                                                               strict=True)}
     axes[0, 0].legend(legend.values(), legend.keys(), fontsize=8)  # every policy, also those absent from panel 1
-    fig.suptitle("Accuracy against measured density (labels: B_0), full cache, question after the context")
+    fig.suptitle("Accuracy against measured density (labels: B_0)\nfull cache, question after the context")
     save(fig, path)
     return True
 

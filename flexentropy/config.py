@@ -31,6 +31,10 @@ class EntropyConfig:
         budget_alpha: alpha, how strongly a dynamic head's budget follows entropy fluctuation.
         fluctuation_threshold: delta_t, the fluctuation rate at which the budget stays unchanged.
         max_budget_factor: budgets are clamped to ``[B_0, max_budget_factor * B_0]``.
+        budget_rule: how a (head, segment) budget is set: ``"fluctuation"`` (paper Alg. 3: rigid heads B_0, dynamic
+            heads follow the entropy's fluctuation) or ``"coverage"`` (the fewest candidate blocks holding
+            ``coverage`` of the segment's observation mass: a spread-out row, i.e. a high-entropy one, gets more).
+        coverage: share of the observation mass the ``"coverage"`` rule keeps, in ``(0, 1]``.
         fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
         observation: ``"paper"`` (Alg. 2: max of two averaged softmaxes) or ``"critiprefill"`` (one softmax).
         observation_scale: factor on representative logits (paper: 1.0, no 1/sqrt(D)).
@@ -62,6 +66,8 @@ class EntropyConfig:
     fluctuation_threshold: float = 0.4
     max_budget_factor: float = 3.0
     fluctuation: Literal["abs", "signed"] = "abs"
+    budget_rule: Literal["fluctuation", "coverage"] = "fluctuation"
+    coverage: float = 0.9
     observation: Literal["paper", "critiprefill"] = "paper"
     observation_scale: float = 1.0
     sink_blocks: int = 1
@@ -97,6 +103,8 @@ class EntropyConfig:
             check_int(owner, name, getattr(self, name), 0)
         check_number(owner, "max_budget_factor", self.max_budget_factor, 1)
         check_choice(owner, "fluctuation", self.fluctuation, ("abs", "signed"))
+        check_choice(owner, "budget_rule", self.budget_rule, ("fluctuation", "coverage"))
+        check_number(owner, "coverage", self.coverage, 0, 1, open_low=True)
         check_choice(owner, "observation", self.observation, ("paper", "critiprefill"))
         check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
         check_choice(owner, "backend", self.backend, BACKENDS)

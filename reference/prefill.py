@@ -216,6 +216,40 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
     return budgets
 
 
+def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+    """Per-head, per-segment budgets in tokens ``[B, Hq, C_S]`` float64 under ``budget_rule="coverage"``
+    (design.md §1.4b).
+
+    For segment ``s`` of head ``h``: the candidates (:func:`candidate_blocks`) split into forced ones (the first
+    ``sink_blocks`` and the ``local_blocks`` before the segment) and the rest; the rest, best ``A_obs`` first (ties
+    to the lower index), are taken one by one while the mass taken so far, forced blocks included, is below
+    ``coverage`` times the row's total (all of them when ``coverage == 1``). ``B[s]`` is ``L_B`` times their number,
+    clamped to ``[B_0, max_budget_factor * B_0]``.
+    """
+    batch, heads, num_segments, num_blocks = a_obs.shape
+    seg_size, blk_size = config.segment_size, config.block_size
+    b0 = float(config.base_budget)
+    budgets = torch.empty(batch, heads, num_segments, dtype=torch.float64, device=a_obs.device)
+    for b in range(batch):
+        for h in range(heads):
+            for s in range(num_segments):
+                cand = candidate_blocks(s, seg_size, blk_size, num_blocks)
+                first_block = s * seg_size // blk_size
+                forced = [j for j in cand
+                          if j < config.sink_blocks or first_block - config.local_blocks <= j < first_block]
+                rest = sorted((j for j in cand if j not in forced), key=lambda j: (-a_obs[b, h, s, j].item(), j))
+                row = a_obs[b, h, s].double()
+                taken = sum(row[j].item() for j in forced)
+                count = 0
+                for j in rest:
+                    if config.coverage < 1 and taken >= config.coverage * row.sum().item():
+                        break
+                    taken += row[j].item()
+                    count += 1
+                budgets[b, h, s] = min(max(count * blk_size, b0), config.max_budget_factor * b0)
+    return budgets
+
+
 # --------------------------------------------------------------------------------------------------------------
 # design.md §1.5: selection
 # --------------------------------------------------------------------------------------------------------------
@@ -286,8 +320,9 @@ def select_blocks(
 
     Whole layer dense (every causal block; budgets/entropy/a_obs None) when ``layer_idx in config.dense_layers``
     or ``N <= config.dense_prefix``. Otherwise ``A_obs`` = :func:`observation_attention` (``config.observation``,
-    ``config.observation_scale``, computed in ``dtype``), then :func:`segment_entropy` and
-    :func:`allocate_budgets`, and query block ``qb`` (in segment ``s = qb * 128 // L_S``) of head ``h`` attends to:
+    ``config.observation_scale``, computed in ``dtype``), then :func:`segment_entropy` and the budgets
+    (:func:`allocate_budgets`, or :func:`coverage_budgets` when ``budget_rule="coverage"``), and query block
+    ``qb`` (in segment ``s = qb * 128 // L_S``) of head ``h`` attends to:
 
     - its own segment causally: key blocks from the segment's first block ``s * L_S // L_B`` up to the block
       holding the query block's last token (included; token-level causality trims it in ``dense_mask``);
@@ -311,7 +346,8 @@ def select_blocks(
     a_obs = observation_attention(q, k, seg_size, blk_size, observation=config.observation,
                                   scale=config.observation_scale, dtype=dtype)
     entropy = segment_entropy(a_obs, dtype=dtype)
-    budgets = allocate_budgets(entropy, config)
+    coverage = config.budget_rule == "coverage"
+    budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
 
     blocks = torch.zeros(batch, q_heads, num_qblocks, num_blocks, dtype=torch.bool, device=q.device)
     for b in range(batch):

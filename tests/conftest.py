@@ -60,6 +60,8 @@ def prefill_case(draw: st.DrawFn, max_n: int = 3000, dims: tuple[int, ...] = (16
         budget_alpha=draw(st.sampled_from([0.5, 1.0])),
         max_budget_factor=draw(st.sampled_from([1.0, 3.0])),
         fluctuation=draw(st.sampled_from(["abs", "signed"])),
+        budget_rule=draw(st.sampled_from(["fluctuation", "coverage"])),
+        coverage=draw(st.sampled_from([0.5, 0.9, 1.0])),
         observation=draw(st.sampled_from(["paper", "critiprefill"])),
         observation_scale=draw(st.sampled_from([1.0, 0.125])),
         sink_blocks=draw(st.integers(0, 2)),

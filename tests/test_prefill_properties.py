@@ -21,6 +21,7 @@ from flexentropy import (
     sparse_prefill_attention,
 )
 from flexentropy.prefill.kernel import kernel_options, run_plan
+from flexentropy.prefill.selection import coverage_budgets
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -59,6 +60,11 @@ def test_observation_entropy_budgets_match_reference(case: dict) -> None:
     torch.testing.assert_close(budgets.double(), reference.allocate_budgets(e.double(), cfg), atol=1e-5, rtol=1e-5)
     assert (budgets >= cfg.base_budget).all() and (budgets <= cfg.max_budget_factor * cfg.base_budget + 1e-3).all()
 
+    # the coverage rule on the oracle's own A_obs (float64 both sides): the same counts exactly
+    budgets = coverage_budgets(a_ref, cfg)
+    torch.testing.assert_close(budgets.double(), reference.coverage_budgets(a_ref, cfg), atol=0, rtol=0)
+    assert (budgets >= cfg.base_budget).all() and (budgets <= cfg.max_budget_factor * cfg.base_budget + 1e-3).all()
+
 
 def _max_abs_logit(q: torch.Tensor, k: torch.Tensor, cfg: EntropyConfig) -> float:
     qmax, qmin = reference.segment_representatives(q.double(), cfg.segment_size)
@@ -81,9 +87,19 @@ def test_observation_float32_bound_on_moderate_logits() -> None:
                                        atol=1e-5, rtol=1e-5)
 
 
+def _coverage_clear(scores: torch.Tensor, forced_mass: torch.Tensor, total: torch.Tensor, cfg: EntropyConfig,
+                    tol: float) -> torch.Tensor:
+    """Rows whose ``coverage`` count is robust to float32 noise: the mass needed is > ``tol`` away from every
+    cumulative mass of the free scores (sorted descending, ``scores [..., F]``)."""
+    need = cfg.coverage * total - forced_mass
+    before = torch.cumsum(scores, dim=-1) - scores
+    return (cfg.coverage >= 1) | ((before - need[..., None]).abs() > tol).all(dim=-1)
+
+
 def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig) -> torch.Tensor:
     """(b, h, s) rows whose top-k decision has a margin well above float32 noise: the k-th and (k+1)-th free
-    scores differ by > 1e-5 and the budget is not within 1e-2 tokens of a block boundary."""
+    scores differ by > 1e-5 and the budget is not within 1e-2 tokens of a block boundary; under the coverage rule
+    also a count that float32 rounding of the masses cannot move (`_coverage_clear`)."""
     a, budgets = ref.a_obs, ref.budgets
     num_segments, num_blocks = a.shape[-2:]
     clear = torch.ones(a.shape[:-1], dtype=torch.bool)
@@ -102,6 +118,9 @@ def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig) -> torch.Tenso
         frac = budgets[..., s] / cfg.block_size
         boundary_ok = (frac - frac.round()).abs() * cfg.block_size > 1e-2
         clear[..., s] = gap_ok & (boundary_ok | (budgets[..., s] == cfg.base_budget))
+        if cfg.budget_rule == "coverage":
+            forced_mass = a[..., s, :].sum(dim=-1) - a[..., s, free].sum(dim=-1)
+            clear[..., s] &= _coverage_clear(scores, forced_mass, a[..., s, :].sum(dim=-1), cfg, 1e-4)
     return clear
 
 

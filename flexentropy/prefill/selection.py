@@ -117,17 +117,42 @@ def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: in
     return (selected & causal) | fixed_blocks(seq_len, config, selected.device)
 
 
+def _free_and_forced(a_obs: torch.Tensor, config: EntropyConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(free, forced)`` bool ``[C_S, C_B]``: the candidates a segment may choose, and those it keeps anyway."""
+    num_segments, num_blocks = a_obs.shape[-2:]
+    per_segment = config.segment_size // config.block_size
+    candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, a_obs.device)
+    forced = forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
+    return candidates & ~forced, forced
+
+
+def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+    """Token budget of every (batch, query head, segment) under ``budget_rule="coverage"`` (design.md §1.4b).
+
+    ``B[s] = L_B * |fewest free candidates holding config.coverage of row s's mass|`` (`mass_cover` of ``A_obs``,
+    the forced blocks' mass counting), clamped to ``[B_0, max_budget_factor * B_0]``. A row whose mass is spread
+    (high entropy) needs more blocks than a peaked one, so the budget follows each head's own spread.
+
+    Args:
+        a_obs: ``[B, Hq, C_S, C_B]`` from `observation_attention`.
+
+    Returns:
+        float32 ``[B, Hq, C_S]`` budgets in tokens.
+    """
+    free, forced = _free_and_forced(a_obs, config)
+    count = mass_cover(a_obs, free, forced, config.coverage).sum(dim=-1)
+    b0 = float(config.base_budget)
+    return (count * config.block_size).float().clamp(b0, config.max_budget_factor * b0)
+
+
 def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
     """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (design.md §1.5).
 
     Segment s attends its `fixed_blocks` (own segment causally, forced blocks, every earlier block in a dense
     segment) and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates by ``A_obs``.
     """
-    num_segments, num_blocks = a_obs.shape[-2:]
     device = a_obs.device
-    per_segment = config.segment_size // config.block_size
-    candidates = candidate_blocks(num_segments, num_blocks, config.segment_size, config.block_size, device)
-    free = candidates & ~forced_blocks(candidates, config.sink_blocks, config.local_blocks, per_segment)
+    free, _ = _free_and_forced(a_obs, config)
     k = torch.minimum(torch.floor(budgets / config.block_size).long(), free.sum(dim=-1))
     chosen = top_k_mask(a_obs, free, k)                                        # [B, Hq, C_S, C_B]
     segment_of_qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device) * Q_BLOCK_SIZE // config.segment_size
@@ -147,7 +172,8 @@ def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
     """``(blocks, budgets, entropy, rigid)`` of a sparse layer: Alg. 1-3 and the top-k, as one graph."""
     a_obs = _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale)
     entropy = segment_entropy(a_obs)
-    budgets = allocate_budgets(entropy, config)
+    coverage = config.budget_rule == "coverage"
+    budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
     blocks = block_table(a_obs, budgets, config, q.shape[-2])
     return blocks, budgets, entropy, rigid_heads(entropy, config.entropy_threshold)
 

@@ -2,7 +2,7 @@
 decode steps can be captured (CUDA graphs, ``torch.compile(mode="reduce-overhead")``, transformers' compiled
 ``generate``).
 
-Two phases per layer (design.md §2.3):
+Two phases per layer (design.md §2):
 
 1. prompt and the first ``decode_delay`` generated tokens: the dynamic `PolicyLayer` path, unchanged (the prompt's
    whole KV is held, its length varies from request to request);

@@ -101,10 +101,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
         cache = StaticLatentKVCache(config, model=model)
         start_time = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, **{cache_keyword(model): cache}, **extra)
+        # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's own calls
+        model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0, **{cache_keyword(model): cache}, **extra)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         seconds[length] = time.perf_counter() - start_time

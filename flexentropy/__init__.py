@@ -1,8 +1,8 @@
 """flexentropy: entropy-guided sparse prefill and KV-cache eviction for long-context LLMs on FlexAttention.
 
-The algorithms depend on torch and einops only. Names that need transformers (`LatentKVCache`, `PolicyCache`,
-`make_cache`, `enable`) are imported on first access, so ``import flexentropy`` stays light. The design, layer by
-layer: docs/design.md.
+The algorithms depend on torch and einops only. Names that need transformers (`LatentKVCache`,
+`StaticLatentKVCache`, `PolicyCache`, `make_cache`, `enable`, `warm_up`) are imported on first access, so
+``import flexentropy`` stays light. The design, layer by layer: docs/design.md.
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "LatentKVCache": "flexentropy.caches.latent_kv",
     "PolicyCache": "flexentropy.caches.policy_cache",
+    "StaticLatentKVCache": "flexentropy.caches.static_latent",
     "make_cache": "flexentropy.caches.factory",
     "enable": "flexentropy.integrations.hf",
     "EntropyAttention": "flexentropy.modules",
     "forward_influence": "flexentropy.diagnostics",
+    "warm_up": "flexentropy.runtime.decoding",
+    "greedy_decode": "flexentropy.runtime.decoding",
+    "compile_step": "flexentropy.runtime.decoding",
 }
 
 
@@ -52,14 +56,18 @@ __all__ = [
     "PolicyCache",
     "RecompileLimitError",
     "SparsePlan",
+    "StaticLatentKVCache",
     "allocate_budgets",
+    "compile_step",
     "decode_attention",
     "enable",
     "forward_influence",
+    "greedy_decode",
     "make_cache",
     "make_prefill",
     "observation_attention",
     "segment_entropy",
     "select_blocks",
     "sparse_prefill_attention",
+    "warm_up",
 ]

@@ -35,6 +35,14 @@ class KVCache(Protocol):
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
 
+def _holds_nothing(cache: KVCache, layer_idx: int) -> bool:
+    """Whether ``cache`` holds nothing for layer ``layer_idx`` (the tokens are a prompt). A flexentropy cache answers
+    through ``stored_length`` (a constant under compilation: a compiled decode step does not depend on the count)."""
+    if hasattr(cache, "stored_length"):
+        return cache.stored_length(layer_idx) == 0
+    return cache.get_seq_length(layer_idx) == 0
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dim (split in halves)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -132,9 +140,10 @@ class EntropyAttention(nn.Module):
             raise TypeError(f"cache must have update() and get_seq_length() (e.g. flexentropy.LatentKVCache), "
                             f"got {type(cache).__name__}")
         batch, length, _ = hidden_states.shape
-        past = 0 if cache is None else cache.get_seq_length(self.layer_idx)
+        prompt = cache is None or _holds_nothing(cache, self.layer_idx)
         if position_ids is None:
-            position_ids = torch.arange(past, past + length, device=hidden_states.device)
+            past = 0 if prompt else cache.get_seq_length(self.layer_idx)
+            position_ids = torch.arange(length, device=hidden_states.device) + past
         position_ids = position_ids.expand(batch, length)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden_states.dtype)
 
@@ -148,7 +157,7 @@ class EntropyAttention(nn.Module):
             if hasattr(cache, "observe_queries"):
                 cache.observe_queries(query, self.layer_idx)
             cached_key, cached_value = cache.update(key, value, self.layer_idx)
-        if past == 0:
+        if prompt:
             out = sparse_prefill_attention(query, key, value, self.config, self.layer_idx, scale=self.scale,
                                            compiled=self.compiled)
         elif hasattr(cache, "attend"):  # a flexentropy PolicyCache reads its own layout (per-head, maybe ragged)

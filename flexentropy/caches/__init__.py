@@ -3,6 +3,8 @@
 - :mod:`.layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's `LayerView`);
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
 - :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
+- :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction
+  (captured decoding);
 - :mod:`.factory`: `make_cache`, a cache by policy name;
 - :mod:`.signals`: forward hooks handing hidden states and logits to signal policies (InfoKV);
 - :mod:`.keywords`: the cache's keyword across transformers versions.
@@ -14,5 +16,6 @@ from flexentropy.caches.factory import make_cache
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.layer import PolicyLayer
 from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.caches.static_latent import StaticLatentKVCache
 
-__all__ = ["LatentKVCache", "PolicyCache", "PolicyLayer", "make_cache"]
+__all__ = ["LatentKVCache", "PolicyCache", "PolicyLayer", "StaticLatentKVCache", "make_cache"]

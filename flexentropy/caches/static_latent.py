@@ -1,0 +1,344 @@
+"""`StaticLatentKVCache`: the latent cache (`LatentKVCache`) with static shapes after its first eviction, so that
+decode steps can be captured (CUDA graphs, ``torch.compile(mode="reduce-overhead")``, transformers' compiled
+``generate``).
+
+Two phases per layer (design.md §2):
+
+1. prompt and the first ``decode_delay`` generated tokens: the dynamic `PolicyLayer` path, unchanged (the prompt's
+   whole KV is held, its length varies from request to request);
+2. from the step at which the latent policy first decides on: preallocated buffers ``keys [B, Hkv, C, D]``,
+   ``values [B, Hkv, C, Dv]`` and the query window ``[B, Hq, W, D]``, ``C = decode_budget + recompress_every``
+   (`StaticLatentLayer.capacity`). A decode step writes its token in place at a slot held in a tensor and attends
+   over the whole buffer with a validity mask; nothing of its shapes changes from step to step or request to
+   request.
+
+Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
+*before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before
+every forward: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it (outside
+any compiled region: the hook is excluded from tracing); a plain decoding loop calls it itself
+(`flexentropy.runtime.decoding.greedy_decode`). Decisions are therefore taken before the step's queries are handed
+over (transformers' attention order: ``update`` before the queries), so for an attention that hands its queries over
+before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with `LatentKVCache`.
+
+Under ``torch.compile`` the phase-1 steps run their cache work eagerly (excluded from tracing) and return fixed-shape
+placeholders, and the cache's size queries return constants, so one compiled decode graph per phase serves every
+prompt length. Padding of a left-padded batch is read from the prompt (``observe_padding``); decode steps ignore the
+logical attention mask and attend with the cache's own validity mask. One token per forward after the prompt; beam
+search (``reorder_cache``) is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexentropy.caches.keywords import cache_argument
+from flexentropy.caches.latent_kv import LatentKVCache
+from flexentropy.caches.layer import PolicyLayer, _nbytes
+from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.config import EntropyConfig
+from flexentropy.kv.attention import decode_attention, grouped_attention
+
+_HOOK_ATTR = "_flexentropy_static_hook"
+
+
+@torch.compiler.disable
+def _eager(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` outside any compiled region (dynamo breaks the graph here instead of tracing it)."""
+    return fn(*args)
+
+
+class StaticLatentLayer(PolicyLayer):
+    """One layer of a `StaticLatentKVCache` (module docstring). Besides `PolicyLayer`'s state:
+
+    Attributes:
+        static: whether the layer is in its static phase (buffers in use).
+        capacity: ``C``, entries per KV head the buffers hold.
+        slot: int64 ``[1]`` the buffer slot the next token is written to (shared by the cache's layers).
+        position: int64 0-dim, the logical position of the next token (shared; ``get_seq_length`` under compile).
+    """
+
+    is_compileable = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        super().__init__(*args, **kwargs)
+        self.capacity = self.policy.budget + self.policy.recompress_every
+        self.slot: torch.Tensor | None = None
+        self.position: torch.Tensor | None = None
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.static = False
+
+    # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
+    def _allocate(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
+        """The preallocated buffer ``name`` (reused across requests of the same shapes), address marked static."""
+        dtype = like.dtype if dtype is None else dtype
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != like.device:
+            buffer = torch.zeros(shape, dtype=dtype, device=like.device)
+            torch._dynamo.mark_static_address(buffer, guard=False)
+            self.buffers[name] = buffer
+        return buffer
+
+    def _go_static(self) -> None:
+        """Move the stored entries and the query window into the buffers (the phase switch)."""
+        if self.ragged is not None or self.window is None:
+            raise RuntimeError(f"{self.owner} layer {self.layer_idx}: cannot switch to static buffers "
+                               f"(ragged layer or no queries handed over)")
+        batch, kv_heads, _, dim = self.keys.shape
+        window = self.policy.window
+        self._allocate("keys", (batch, kv_heads, self.capacity, dim), self.keys)
+        self._allocate("values", (batch, kv_heads, self.capacity, self.values.shape[-1]), self.values)
+        self._allocate("window", (*self.window.shape[:2], window, self.window.shape[-1]), self.window)
+        self._allocate("real", (batch, kv_heads, 1, self.capacity), self.keys, torch.bool)
+        self._allocate("slots", (self.capacity,), self.keys, torch.long).copy_(
+            torch.arange(self.capacity, device=self.keys.device))
+        self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
+        self.static = True
+        self._store(self.keys, self.values)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the compact ``keys``/``values`` ``[B, Hkv, S, D]`` to the buffers' front; mark their real entries."""
+        stored = keys.shape[-2]
+        if stored > self.capacity - 1:
+            raise RuntimeError(f"{self.owner} layer {self.layer_idx}: {stored} entries do not leave a free slot in "
+                               f"the static buffers of {self.capacity}")
+        self.buffers["keys"][:, :, :stored].copy_(keys)
+        self.buffers["values"][:, :, :stored].copy_(values)
+        real = self.buffers["real"]
+        real.fill_(True)
+        entries = self.real_entries() if stored else None
+        if entries is not None:
+            real[:, :, 0, :stored].copy_(entries)
+        self._view(stored)
+
+    def _view(self, stored: int) -> None:
+        """Point ``keys``/``values``/``window`` (what policies and readers see) at the buffers' live parts."""
+        self.keys = self.buffers["keys"][:, :, :stored]
+        self.values = self.buffers["values"][:, :, :stored]
+        held = min(self.policy.window, self.observed)
+        self.window = self.buffers["window"][:, :, self.policy.window - held:]
+
+    def due(self, q_len: int) -> bool:
+        """Whether the next step (``q_len`` tokens) runs on the buffers: the layer is static, or its policy has
+        reached its first decision point (``decode_delay`` generated tokens)."""
+        return self.static or (self.prompt_length is not None and self.generated >= self.policy.delay)
+
+    def begin_step(self, q_len: int) -> int:
+        """Eager part of a static step: decide if due (switching to the buffers at the first decision), then
+        account for the step's token; returns the slot it is written to."""
+        if q_len != 1:
+            raise ValueError(f"{self.owner} decodes one token per forward after the prompt, got {q_len}")
+        target = self.policy.before_append(self, q_len)
+        if target is not None:
+            self._decide(target, q_len)
+        if not self.static:
+            self._go_static()
+        elif target is not None:
+            self._store(self.keys, self.values)  # the gathered entries: fresh tensors, not views of the buffers
+        slot = self.keys.shape[-2]
+        self.previous_generated = self.generated
+        self.seen += q_len
+        self.observed += q_len
+        self._view(slot + q_len)
+        return slot
+
+    # -- phase 2: the captured step -----------------------------------------------------------------------------
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one token's ``[B, Hkv, 1, D]`` key and value at `slot`, in place; returns the whole buffers
+        ``[B, Hkv, C, D]`` (static shapes)."""
+        keys, values = self.buffers["keys"], self.buffers["values"]
+        keys.index_copy_(2, self.slot, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slot, value_states.to(values.dtype))
+        return keys, values
+
+    def shift_window(self, query_states: torch.Tensor) -> None:
+        """Append one step's queries ``[B, Hq, 1, D]`` to the window buffer, dropping its oldest, in place."""
+        window = self.buffers["window"]
+        window.copy_(torch.cat([window[:, :, query_states.shape[2]:], query_states.to(window.dtype)], dim=2))
+
+    def valid(self) -> torch.Tensor:
+        """bool ``[B, Hkv, 1, C]``: the slots written so far (this step's included) that are not padding."""
+        return (self.buffers["slots"] <= self.slot) & self.buffers["real"]
+
+    def attend_static(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """``[B, Hq, 1, Dv]``: the step's attention over the buffers under `valid` (GQA folded, one SDPA call)."""
+        return grouped_attention(query, self.buffers["keys"], self.buffers["values"], self.valid(), scale)
+
+    def placeholder(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-memory NaN tensors ``[B, Hkv, C, D]`` returned by a phase-1 step under compilation (fixed shapes)."""
+        batch, kv_heads = key_states.shape[:2]
+        nan = float("nan")
+        return (key_states.new_full((1, 1, 1, 1), nan).expand(batch, kv_heads, self.capacity, key_states.shape[-1]),
+                value_states.new_full((1, 1, 1, 1), nan).expand(batch, kv_heads, self.capacity,
+                                                                value_states.shape[-1]))
+
+    def attend_own_mask(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Phase-1 decode attention with the layer's own padding mask (HF's logical mask is not read)."""
+        real = self.real_entries()
+        if real is None:
+            return decode_attention(query, self.keys, self.values, scale=scale)
+        return grouped_attention(query, self.keys, self.values, real[:, :, None, :], scale)
+
+    # -- readers ------------------------------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """A prompt: its own size; a decode step: ``(C, 0)``, a constant (the step ignores HF's mask)."""
+        if self.prompt_length is None:
+            return super().get_mask_sizes(query_length)
+        return self.capacity, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{self.owner} does not support beam search; use LatentKVCache")
+
+    def reset(self) -> None:
+        """Drop the state, keep the buffers (a new request of the same shapes reuses them and their addresses)."""
+        self._clear()
+
+    def nbytes(self) -> int:
+        """Bytes held: the buffers once static (their full capacity), else `PolicyLayer.nbytes`."""
+        if not self.static:
+            return super().nbytes()
+        return _nbytes(self._kept, *self.buffers.values())
+
+
+class StaticLatentKVCache(LatentKVCache):
+    """`LatentKVCache` with static shapes after the first eviction, for captured decoding (module docstring).
+
+    Same decisions as `LatentKVCache` (with the decision taken before each step's queries are handed over), same
+    configuration; ``recompress_every`` must be set (the buffers hold ``decode_budget + recompress_every``
+    entries per KV head). ``transformers``' ``generate`` compiles its decode forward for it (the cache is
+    ``is_compileable``); pass ``model=`` so that the cache's `prepare` runs before every forward::
+
+        cache = fe.StaticLatentKVCache(cfg, model=model)
+        out = model.generate(ids, cache=cache, max_new_tokens=256)   # past_key_values= before transformers 5.24
+
+    Args:
+        config: the `EntropyConfig` (its ``decode_*`` fields and ``recompress_every``).
+        model: the HF model served: its layer count, and the pre-hook on its decoder that calls `prepare`.
+        num_layers: layer count without a model (a plain loop then calls `prepare` itself).
+    """
+
+    layer_class = StaticLatentLayer
+
+    def __init__(self, config: EntropyConfig | None = None, *, model: Any = None,
+                 num_layers: int | None = None) -> None:
+        super().__init__(config, model=model, num_layers=num_layers)
+        if self.config.recompress_every is None:
+            raise ValueError("StaticLatentKVCache needs EntropyConfig.recompress_every (its buffers hold "
+                             "decode_budget + recompress_every entries per KV head); None grows without bound")
+        if self.num_layers is None:
+            raise ValueError("StaticLatentKVCache needs model= or num_layers= (its layers exist before the prompt, "
+                             "so that transformers sees a compileable cache)")
+        self._layer(self.num_layers - 1)
+        self.slot = torch.zeros(1, dtype=torch.long)
+        self.position = torch.zeros((), dtype=torch.long)
+        self._share_counters()
+        if model is not None:
+            attach_prepare_hook(model)
+
+    def _share_counters(self) -> None:
+        for layer in self.layers:
+            layer.slot, layer.position = self.slot, self.position
+
+    @property
+    def capacity(self) -> int:
+        """``C``: entries per KV head of each layer's buffers."""
+        return self.layers[0].capacity
+
+    def prepare(self, q_len: int) -> None:
+        """Eager work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a phase-1
+        step; for a static step, every due decision, then the step's slot and position."""
+        layers = [layer for layer in self.layers if layer.due(q_len)]
+        if not layers:
+            return
+        if len(layers) != len(self.layers):
+            raise RuntimeError(f"{type(self).__name__}: layers disagree on the decode phase; every layer must see "
+                               f"every forward")
+        slots = {layer.begin_step(q_len) for layer in layers}
+        if len(slots) != 1:
+            raise RuntimeError(f"{type(self).__name__}: layers hold different entry counts {sorted(slots)}")
+        device = layers[0].keys.device
+        if self.slot.device != device:
+            self.slot, self.position = self.slot.to(device), self.position.to(device)
+            torch._dynamo.mark_static_address(self.slot, guard=False)
+            torch._dynamo.mark_static_address(self.position, guard=False)
+            self._share_counters()
+        self.slot.fill_(slots.pop())
+        self.position.fill_(layers[0].seen - q_len)
+
+    @property
+    def is_static(self) -> bool:
+        """Whether every layer is in its static phase (the next decode step can run captured)."""
+        return all(layer.static for layer in self.layers)
+
+    # -- the hand-over, static where it can be -------------------------------------------------------------------
+    def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
+        layer = self.layers[layer_idx]
+        if layer.static:
+            layer.shift_window(query_states)
+        elif torch.compiler.is_compiling():
+            _eager(PolicyCache.observe_queries, self, query_states, layer_idx)
+        else:
+            super().observe_queries(query_states, layer_idx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if layer.static:
+            return layer.write(key_states, value_states)
+        if torch.compiler.is_compiling():
+            _eager(PolicyCache.update, self, key_states, value_states, layer_idx)
+            return layer.placeholder(key_states, value_states)
+        return super().update(key_states, value_states, layer_idx)
+
+    def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """Decode attention of layer ``layer_idx``'s newest token over the buffers (static) or what it holds;
+        ``attention_mask`` is not read (padding comes from ``observe_padding``)."""
+        layer = self.layers[layer_idx]
+        if layer.static:
+            return layer.attend_static(query, scale)
+        if torch.compiler.is_compiling():
+            return _eager(layer.attend_own_mask, query, scale)
+        return layer.attend_own_mask(query, scale)
+
+    def stored_length(self, layer_idx: int = 0) -> int:
+        """Entries held per KV head; under compilation a constant (0 before the prompt, else ``C``), so that a
+        compiled step never depends on the count."""
+        layer = self.layers[layer_idx]
+        if torch.compiler.is_compiling():
+            return layer.capacity if layer.is_initialized else 0
+        return layer.stored
+
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Logical length; under compilation in the static phase the 0-dim tensor `position` (as transformers'
+        ``StaticCache``), so that the compiled step does not depend on it."""
+        layer = self.layers[layer_idx]
+        if layer.static and torch.compiler.is_compiling():
+            return self.position
+        return layer.get_seq_length()
+
+
+def attach_prepare_hook(model: nn.Module) -> None:
+    """Register, once, a forward pre-hook on ``model``'s decoder that calls ``cache.prepare(q_len)`` for a
+    `StaticLatentKVCache` passed to it, excluded from compilation (it runs eagerly before a compiled forward)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if getattr(decoder, _HOOK_ATTR, None) is not None:
+        return
+
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        cache = cache_argument(kwargs)
+        if isinstance(cache, StaticLatentKVCache):
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            if tokens is None:
+                tokens = kwargs["inputs_embeds"]
+            cache.prepare(tokens.shape[1])
+
+    setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(hook, with_kwargs=True))

@@ -1,0 +1,406 @@
+"""Decode at memory speed (issue 17): captured decode over `StaticLatentKVCache` against dense, one harness for
+every row, on a Llama-3.1-8B-shaped model (random bf16 weights built on the device, no download).
+
+    source profiling/h200/setup.sh   # flash-attn-4 for the FLASH prefill backend (optional)
+    python profiling/decode_static.py --parts decode --out docs/results/decode_static
+    python profiling/decode_static.py --parts e2e,checks --out docs/results/decode_static
+
+Parts (``--parts``, comma-separated; each call merges its rows into ``OUT/decode_static.json``):
+
+* ``decode``: decode step ms at each ``--contexts`` (batch 1) and ``--batch8`` (batch 8) for
+  ``hf_eager_dense`` (DynamicCache, SDPA flash), ``hf_static_dense_compiled`` (HF StaticCache sized to the context,
+  the forward compiled as ``generate`` compiles it: CUDA graphs), ``eager_latent`` (LatentKVCache) and
+  ``static_latent_captured`` (StaticLatentKVCache, compiled forward). The prompt's KV is random (filled through the
+  caches' own ``update``: a decode step's cost does not depend on the values); the latent rows run their
+  ``decode_delay`` phase-1 steps eagerly, then are timed on the steady state (evictions included). Each row has
+  ``limit_ms``: (weights + KV bytes read per step) / 4.3 TB/s.
+* ``e2e``: prefill + ``--new-tokens`` at ``--e2e-context`` through ``generate``: ``dense_best`` (cuDNN SDPA prefill,
+  HF StaticCache, compiled decode) vs ``flexentropy`` (sparse prefill on the FLASH backend when flash-attn-4 is
+  importable, StaticLatentKVCache, compiled decode), the latter cold (dynamo reset) and after ``fe.warm_up``.
+* ``checks``: greedy tokens of the captured vs the uncaptured static latent decode at a covering budget on a short
+  prompt; graphs compiled across prompts of ``--check-lengths`` and ``--long-steps`` decode steps after one warm-up;
+  the cache's bytes at the end.
+
+The JSON is rewritten after every row; a failed row records its error and the others go on. A table is printed
+last. ``--device cpu --tiny`` runs a small model for a quick check of the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import environment, sync, write_json  # noqa: E402
+from end_to_end import build_model  # noqa: E402
+
+import flexentropy as fe  # noqa: E402
+from flexentropy.integrations.hf import cache_keyword  # noqa: E402
+
+BANDWIDTH = 4.3e12
+"""H200 HBM bytes per second: the memory-speed limit of a decode step."""
+
+VARIANTS = ("hf_eager_dense", "hf_static_dense_compiled", "eager_latent", "static_latent_captured")
+
+
+def compile_config(device: torch.device, backend: str):
+    from transformers.generation import CompileConfig
+
+    config = CompileConfig(backend=backend, mode="reduce-overhead" if device.type == "cuda" else None)
+    if device.type != "cuda":
+        config._compile_all_devices = True
+    return config
+
+
+@contextlib.contextmanager
+def dense_backend(backend: SDPBackend) -> Iterator[None]:
+    """SDPA pinned to ``backend`` first, the others allowed after it (a masked call cannot run flash)."""
+    order = [backend] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                     SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != backend]
+    try:
+        context = sdpa_kernel(order, set_priority=True)
+    except TypeError:  # torch without set_priority
+        context = sdpa_kernel(order)
+    with context:
+        yield
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: every parameter but the input embedding (one row of it)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+def kv_bytes(model, batch: int, entries: int) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * entries * head_dim * 2
+
+
+def fill(cache, model, batch: int, n: int, device: torch.device) -> None:
+    """The prompt's keys and values (random) in every layer of ``cache``, queries handed over for policy caches."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator(device=device).manual_seed(0)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, cfg.num_key_value_heads, n, head_dim, device=device, generator=gen,
+                        dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cache.update(k, v, layer)
+        if hasattr(cache, "observe_queries"):
+            q = torch.randn(batch, cfg.num_attention_heads, 1, head_dim, device=device, generator=gen,
+                            dtype=torch.bfloat16)
+            cache.observe_queries(q.expand(-1, -1, n, -1), layer)
+        del k, v
+
+
+def step_fn(model, forward: Callable, cache, batch: int, n: int, device: torch.device) -> Callable[[], None]:
+    """One greedy decode step per call (positions advance), through ``forward``."""
+    state = {"tok": torch.full((batch, 1), 5, device=device, dtype=torch.long), "pos": n}
+    keyword = cache_keyword(model)
+
+    def step() -> None:
+        pos = torch.full((batch, 1), state["pos"], device=device, dtype=torch.long)
+        logits = forward(input_ids=state["tok"], position_ids=pos, **{keyword: cache}, use_cache=True).logits
+        state["tok"] = logits[:, -1:].argmax(dim=-1)
+        state["pos"] += 1
+
+    return step
+
+
+def time_steps(step: Callable[[], None], device: torch.device, warm: int, steps: int) -> float:
+    """Mean ms per step over ``steps`` back-to-back steps after ``warm`` (CUDA events on GPU)."""
+    for _ in range(warm):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def decode_row(model, variant: str, batch: int, n: int, args, device: torch.device) -> dict:
+    from transformers import DynamicCache, StaticCache
+
+    cfg = fe.EntropyConfig(decode_budget=args.budget)
+    compiled = model.get_compiled_call(compile_config(device, args.compile_backend))
+    row = {"part": "decode", "variant": variant, "batch": batch, "n": n}
+    with torch.inference_mode():
+        if variant == "hf_eager_dense":
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+            fill(cache, model, batch, n, device)
+            with dense_backend(SDPBackend.FLASH_ATTENTION):
+                row["step_ms"] = time_steps(step_fn(model, model.__call__, cache, batch, n, device), device,
+                                            args.warm, args.steps)
+            entries = n + args.warm + args.steps
+        elif variant == "hf_static_dense_compiled":
+            model.set_attn_implementation("sdpa")
+            size = n + args.warm + args.steps + 8
+            cache = StaticCache(config=model.config, max_cache_len=size)
+            fill(cache, model, batch, n, device)
+            with dense_backend(SDPBackend.FLASH_ATTENTION):
+                row["step_ms"] = time_steps(step_fn(model, compiled, cache, batch, n, device), device,
+                                            args.warm, args.steps)
+            entries = size  # attention reads the whole buffer under its mask
+        else:
+            fe.enable(model, cfg, prefill="dense")
+            static = variant == "static_latent_captured"
+            cache = (fe.StaticLatentKVCache(cfg, model=model) if static else fe.LatentKVCache(cfg))
+            fill(cache, model, batch, n, device)
+            step = step_fn(model, model.__call__, cache, batch, n, device)
+            for _ in range(cfg.decode_delay):  # phase 1 (full cache) eagerly, up to the first eviction
+                step()
+            if static:
+                step_compiled = step_fn(model, compiled, cache, batch, n + cfg.decode_delay, device)
+                row["step_ms"] = time_steps(step_compiled, device, args.warm, args.steps)
+                entries = cache.capacity
+            else:
+                row["step_ms"] = time_steps(step, device, args.warm, args.steps)
+                entries = cache.stored_length(0)
+            row["cache_gib"] = cache.nbytes() / 2**30
+        row["kv_entries"] = entries
+    weights, kv = weight_bytes(model), kv_bytes(model, batch, entries)
+    row.update(weight_gb=weights / 1e9, kv_gib=kv / 2**30, limit_ms=(weights + kv) / BANDWIDTH * 1e3)
+    row["x_limit"] = row["step_ms"] / row["limit_ms"]
+    del cache
+    return row
+
+
+def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, **kwargs) -> tuple[float, list]:
+    sync(device)
+    t0 = time.perf_counter()  # generate's own no_grad, as fe.warm_up: inference tensors would fail its graphs' guards
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, **{cache_keyword(model): cache}, **kwargs)
+    sync(device)
+    return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
+
+
+def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
+    from transformers import StaticCache
+
+    n, new = args.e2e_context, args.new_tokens
+    cc = compile_config(device, args.compile_backend)
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
+    cfg = fe.EntropyConfig(decode_budget=args.budget)
+
+    def flexentropy_row(kind: str) -> dict:
+        fe.enable(model, cfg, prefill="entropy")
+        seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, compile_config=cc)
+        return {"part": "e2e", "variant": f"flexentropy_{kind}", "n": n, "new_tokens": new, "total_s": seconds,
+                "flash_attn": environment()["flash_attn"]}
+
+    def run(fn: Callable[[], dict]) -> dict:
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - one failed row must not lose the others
+            traceback.print_exc()
+            return {"part": "e2e", "error": f"{type(err).__name__}: {err}"}
+
+    torch._dynamo.reset()
+    yield run(lambda: flexentropy_row("cold"))
+
+    def warm() -> dict:
+        fe.enable(model, cfg, prefill="entropy")
+        t0 = time.perf_counter()
+        times = fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
+        return {"part": "e2e", "variant": "warm_up", "total_s": time.perf_counter() - t0,
+                "per_length_s": {str(k): v for k, v in times.items()}}
+
+    yield run(warm)
+    yield run(lambda: flexentropy_row("warm"))
+
+    def dense() -> dict:
+        """Best dense per phase: cuDNN SDPA prefill (eager, through generate), then the compiled static decode
+        (SDPA flash first) continuing on the same StaticCache; the decode graph compiled beforehand on a twin cache
+        of the same size."""
+        model.set_attn_implementation("sdpa")
+        size = n + new + 8
+        compiled = model.get_compiled_call(cc)
+        with dense_backend(SDPBackend.FLASH_ATTENTION):
+            twin = StaticCache(config=model.config, max_cache_len=size)
+            fill(twin, model, 1, 16, device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                time_steps(step_fn(model, compiled, twin, 1, 16, device), device, 3, 1)
+            compile_s = time.perf_counter() - t0
+            del twin
+        cache = StaticCache(config=model.config, max_cache_len=size)
+        with dense_backend(SDPBackend.CUDNN_ATTENTION):
+            prefill_s, first = generate_s(model, ids, cache, 1, device, disable_compile=True)
+        step = step_fn(model, compiled, cache, 1, n + 1, device)
+        with dense_backend(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(new - 1):
+                step()
+            sync(device)
+            decode_s = time.perf_counter() - t0
+        return {"part": "e2e", "variant": "dense_best", "n": n, "new_tokens": new, "total_s": prefill_s + decode_s,
+                "ttft_s": prefill_s, "decode_step_ms": decode_s / (new - 1) * 1e3, "compile_s": compile_s}
+
+    yield run(dense)
+
+
+def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
+    cc = compile_config(device, args.compile_backend)
+    gen = torch.Generator(device=device).manual_seed(2)
+    vocab = model.config.vocab_size - 1
+
+    def identity() -> dict:
+        cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192)  # covering the short prompt and its tokens
+        fe.enable(model, cfg, prefill="dense")
+        ids = torch.randint(100, vocab, (1, args.check_prompt), device=device, generator=gen)
+        _, eager = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
+                              disable_compile=True)
+        _, captured = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
+                                 compile_config=cc)
+        first = next((i for i, (a, b) in enumerate(zip(eager, captured, strict=False)) if a != b), None)
+        return {"part": "checks", "variant": "greedy_identity_covering", "n": args.check_prompt,
+                "identical": eager == captured, "first_mismatch": first, "tokens": len(eager)}
+
+    def recompiles() -> dict:
+        cfg = fe.EntropyConfig(decode_budget=args.budget)
+        fe.enable(model, cfg, prefill="entropy")
+        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
+        graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        per_length = {}
+        for length in args.check_lengths:
+            ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
+            steps = args.long_steps if length == args.check_lengths[0] else 8
+            cache = fe.StaticLatentKVCache(cfg, model=model)
+            seconds, _ = generate_s(model, ids, cache, steps, device, compile_config=cc)
+            per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
+                                       "graphs_since_warm_up":
+                                           int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
+        return {"part": "checks", "variant": "recompiles_after_warm_up", "per_length": per_length,
+                "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
+
+    for fn in (identity, recompiles):
+        try:
+            yield fn()
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            yield {"part": "checks", "variant": fn.__name__, "error": f"{type(err).__name__}: {err}"}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    decode = [r for r in rows if r.get("part") == "decode" and "step_ms" in r]
+    if not decode:
+        return
+    cases = sorted({(r["batch"], r["n"]) for r in decode})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        values = [next((r["step_ms"] for r in decode if (r["batch"], r["n"]) == c and r["variant"] == variant), 0)
+                  for c in cases]
+        ax.bar([j + i * width for j in range(len(cases))], values, width, label=variant)
+    for j, case in enumerate(cases):
+        limits = [r["limit_ms"] for r in decode if (r["batch"], r["n"]) == case]
+        ax.hlines(min(limits), j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dotted")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"B{b} {n // 1024}k" for b, n in cases])
+    ax.set_ylabel("decode step ms")
+    ax.set_title("decode step (dotted: latent bytes / 4.3 TB/s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict]) -> None:
+    print(f"\n{'part':>7} {'variant':>26} {'B':>2} {'N':>7} {'step ms':>8} {'limit ms':>8} {'x limit':>7} "
+          f"{'total s':>8}  notes")
+    for r in rows:
+        notes = r.get("error") or {k: r[k] for k in ("identical", "first_mismatch", "graphs_compiled") if k in r}
+        print(f"{r.get('part', ''):>7} {r.get('variant', ''):>26} {r.get('batch', ''):>2} {r.get('n', ''):>7} "
+              f"{r.get('step_ms', float('nan')):8.2f} {r.get('limit_ms', float('nan')):8.2f} "
+              f"{r.get('x_limit', float('nan')):7.2f} {r.get('total_s', float('nan')):8.2f}  {notes or ''}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="decode,e2e,checks")
+    p.add_argument("--contexts", type=int, nargs="*", default=[32768, 65536, 131072])
+    p.add_argument("--batch8", type=int, nargs="*", default=[32768], help="contexts run at batch 8")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--e2e-context", type=int, default=131072)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
+    p.add_argument("--check-prompt", type=int, default=2048)
+    p.add_argument("--check-tokens", type=int, default=64)
+    p.add_argument("--check-lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    p.add_argument("--long-steps", type=int, default=1000)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--out", default="docs/results/decode_static")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    path = out / "decode_static.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    model = build_model(args.layers, device, args.tiny)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def keep(row: dict) -> None:
+        key = (row.get("part"), row.get("variant"), row.get("batch"), row.get("n"))
+        rows[:] = [r for r in rows if (r.get("part"), r.get("variant"), r.get("batch"), r.get("n")) != key] + [row]
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        write_json(path, {"benchmark": "decode_static", "model": "Llama-3.1-8B shape, random weights, bf16",
+                          "layers": args.layers, "environment": environment(), "rows": rows})
+
+    parts = set(args.parts.split(","))
+    if "decode" in parts:
+        cases = [(1, n) for n in args.contexts] + [(8, n) for n in args.batch8]
+        for batch, n in cases:
+            for variant in args.variants:
+                try:
+                    keep(decode_row(model, variant, batch, n, args, device))
+                except Exception as err:  # noqa: BLE001
+                    traceback.print_exc()
+                    keep({"part": "decode", "variant": variant, "batch": batch, "n": n,
+                          "error": f"{type(err).__name__}: {err}"})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    if "e2e" in parts:
+        for row in e2e_rows(model, args, device):
+            keep(row)
+    if "checks" in parts:
+        for row in checks_rows(model, args, device):
+            keep(row)
+    plot(rows, out / "decode_static.png")
+    table(rows)
+
+
+if __name__ == "__main__":
+    main()

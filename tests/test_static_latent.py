@@ -1,0 +1,193 @@
+"""`StaticLatentKVCache` (captured decoding, issue 17): same greedy tokens as `LatentKVCache`, bounded memory, static
+decode shapes, compiled decode identical to eager with no recompiles, and `warm_up`.
+
+Models: tiny random Llama / Qwen2 built from configs (as tests/test_hf_integration.py), and a tiny model built from
+`EntropyAttention` layers for the plain loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation import CompileConfig
+
+import flexentropy as fe
+from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.integrations.hf import cache_keyword, enable
+from flexentropy.runtime.decoding import compile_step, greedy_decode
+
+VOCAB = 256
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+ARCHS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON))}
+EVICTING = fe.EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=96,
+                            decode_window=16, decode_delay=4, recompress_every=8)
+COVERING = EVICTING.replace(decode_budget=512)
+
+
+def model_for(arch: str, config: fe.EntropyConfig, prefill: str = "dense") -> nn.Module:
+    torch.manual_seed(0)
+    return enable(ARCHS[arch]().eval(), config, prefill=prefill)
+
+
+def prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model: nn.Module, ids: torch.Tensor, cache: object, new: int, **kwargs: object) -> torch.Tensor:
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         **{cache_keyword(model): cache}, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def cpu_compile(backend: str = "eager") -> CompileConfig:
+    """transformers compiles ``generate``'s decode forward off CUDA only with ``_compile_all_devices`` set."""
+    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize(("config", "length"), [(COVERING, 200), (EVICTING, 300)], ids=["covering", "evicting"])
+def test_same_tokens_as_dynamic_latent(arch: str, config: fe.EntropyConfig, length: int) -> None:
+    """Eager generate: the static cache takes the dynamic cache's decisions (first eviction, recompressions)."""
+    model = model_for(arch, config)
+    ids = prompt(length)
+    dynamic = LatentKVCache(config)
+    static = StaticLatentKVCache(config, model=model)
+    expected = greedy(model, ids, dynamic, 48, disable_compile=True)
+    assert torch.equal(greedy(model, ids, static, 48, disable_compile=True), expected)
+    assert static.is_static and dynamic.layers[0].evictions == static.layers[0].evictions
+    assert (static.layers[0].evictions > 1) == (config is EVICTING)
+    assert torch.equal(static.kept_positions(0), dynamic.kept_positions(0))
+
+
+def test_left_padded_rows_match_their_solo_runs() -> None:
+    model = model_for("llama", EVICTING)
+    long, short = prompt(300, seed=2), prompt(260, seed=3)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], dim=1)])
+    mask = (ids != 0).long()
+    mask[0] = 1
+    batch = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 24, attention_mask=mask,
+                   disable_compile=True)
+    for row, solo in enumerate((long, short)):
+        alone = greedy(model, solo, StaticLatentKVCache(EVICTING, model=model), 24, disable_compile=True)
+        assert torch.equal(batch[row], alone[0])
+
+
+def test_memory_bounded_and_shapes_static() -> None:
+    """Over many steps the buffers never grow and the step's tensors keep their shapes and addresses."""
+    model = model_for("llama", EVICTING)
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    seen: list[tuple] = []
+    layer = cache.layers[1]
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if layer.static:
+            buffers = layer.buffers
+            seen.append((cache.nbytes(), tuple(buffers["keys"].shape), buffers["keys"].data_ptr(),
+                         tuple(layer.valid().shape)))
+
+    handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
+    try:
+        greedy(model, prompt(300), cache, 150, disable_compile=True)
+    finally:
+        handle.remove()
+    assert len(seen) > 100 and len(set(seen)) == 1
+    assert seen[0][1][2] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
+    assert cache.stored_length(1) <= cache.capacity
+
+
+def test_validation() -> None:
+    with pytest.raises(ValueError, match="recompress_every"):
+        StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)
+    with pytest.raises(ValueError, match="model= or num_layers="):
+        StaticLatentKVCache(EVICTING)
+    assert StaticLatentKVCache(EVICTING, num_layers=2).is_compileable
+
+
+def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
+    """transformers compiles the decode forward for the cache; after one request, another prompt length and
+    more steps compile nothing (``error_on_recompile``)."""
+    model = model_for("llama", EVICTING)
+    ids = prompt(300)
+    expected = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 40, disable_compile=True)
+    torch._dynamo.reset()
+    assert torch.equal(greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 40,
+                              compile_config=cpu_compile()), expected)
+    other = prompt(420, seed=5)
+    expected = greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = greedy(model, other, StaticLatentKVCache(EVICTING, model=model), 70, compile_config=cpu_compile())
+    assert torch.equal(got, expected)
+
+
+class TinyEntropyLM(nn.Module):
+    """Embedding, `EntropyAttention` layers with residuals, LM head: a model built from flexentropy's module."""
+
+    def __init__(self, config: fe.EntropyConfig, layers: int = 2, hidden: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.layers = nn.ModuleList(fe.EntropyAttention(hidden, 4, 2, layer_idx=i, config=config)
+                                    for i in range(layers))
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, cache: object, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden, cache, position_ids)
+        return self.head(hidden)
+
+
+def plain_run(model: TinyEntropyLM, ids: torch.Tensor, steps: int, compiled: object = None,
+              cache_class: type = StaticLatentKVCache, config: fe.EntropyConfig = EVICTING) -> torch.Tensor:
+    cache = cache_class(config, num_layers=len(model.layers))
+    with torch.no_grad():
+        first = model(ids, cache)[:, -1:].argmax(dim=-1)
+        return greedy_decode(model, cache, first, ids.shape[1], steps, compiled=compiled)
+
+
+def test_plain_loop_static_matches_dynamic_entropy_attention() -> None:
+    """The plain loop over `EntropyAttention` layers at a covering budget: the buffers' masked attention gives the
+    dynamic cache's tokens (with eviction the two differ by design: the static cache decides before the step's
+    queries are handed over, `EntropyAttention` hands them over before ``update``)."""
+    torch.manual_seed(0)
+    model = TinyEntropyLM(COVERING.replace(dense_prefix=4096)).eval()
+    ids = prompt(200)
+    static = plain_run(model, ids, 40, config=COVERING)
+    assert torch.equal(static, plain_run(model, ids, 40, cache_class=LatentKVCache, config=COVERING))
+    assert len(set(static[0].tolist())) > 5  # a random model that is not stuck on one token
+
+
+@pytest.mark.slow
+def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
+    """``torch.compile`` of the step (inductor on CPU): same greedy tokens as eager; a second prompt length and
+    more steps compile nothing new."""
+    torch.manual_seed(0)
+    model = TinyEntropyLM(EVICTING.replace(dense_prefix=4096)).eval()
+    torch._dynamo.reset()
+    compiled = compile_step(model, device="cpu")
+    ids = prompt(200)
+    assert torch.equal(plain_run(model, ids, 30, compiled), plain_run(model, ids, 30))
+    other = prompt(230, seed=4)
+    expected = plain_run(model, other, 60)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(plain_run(model, other, 60, compiled), expected)
+
+
+@pytest.mark.slow
+def test_warm_up_then_no_recompile() -> None:
+    """After `fe.warm_up` over two lengths (sparse prefill compiled, decode graphs of both phases), a third length
+    in the range compiles nothing."""
+    model = model_for("llama", EVICTING, prefill="entropy")
+    torch._dynamo.reset()
+    times = fe.warm_up(model, [300, 421], compile_config=cpu_compile())
+    assert set(times) == {300, 421}
+    ids = prompt(377, seed=6)
+    expected = greedy(model, ids, LatentKVCache(EVICTING), 30, disable_compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 30, compile_config=cpu_compile())
+    assert torch.equal(got, expected)

@@ -15,6 +15,13 @@ What runs: a prompt (no past) runs the layer's prefill policy on the layers that
 ``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
 steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts); over other caches, SDPA.
 ``torch.compile(model)`` traces all of this. Only `SUPPORTED_MODEL_TYPES`; inference only, causal attention only.
+
+Tensor parallelism (transformers' ``DistributedConfig(tp_plan="auto")``, started with ``torchrun``): q/k/v are
+sharded by heads, so each rank's attention function receives its own whole heads as plain tensors
+(``[B, Hq / world, N, D]``, ``[B, Hkv / world, N, D]``) while ``module.config`` still counts every head. Nothing here
+reads the head counts of the config: each rank plans its sparse prefill from its local heads and a `PolicyCache` keeps
+its local KV heads; flexentropy adds no communication. `local_heads` says which of the model's heads a rank holds, and
+:func:`enable` refuses a sharding that splits a head or a GQA group.
 """
 
 from __future__ import annotations
@@ -213,6 +220,8 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
+    for module in modules:
+        local_heads(module)  # a tensor-parallel sharding must keep whole heads and GQA groups on each rank
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
@@ -223,10 +232,56 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     return model
 
 
+def local_heads(module: nn.Module) -> tuple[range, range]:
+    """``(query heads, KV heads)``: the model's heads, as global indices, that this process's attention ``module``
+    computes.
+
+    Without tensor parallelism, every head. Under transformers' tensor parallelism (``q_proj`` and ``k_proj`` weights
+    DTensors sharded on their output dimension, the ``"colwise"`` style of ``tp_plan="auto"``), this rank's slice:
+    the heads :func:`attention_forward` receives, the rows of the plans in `LayerState.plans` and the heads a
+    `PolicyCache` stores for the layer. Query heads ``q`` read KV heads ``q // G`` (``G`` = ``num_key_value_groups``).
+
+    Raises:
+        ValueError: the sharding splits a head, or a rank's query heads read KV heads of another rank.
+    """
+    group = module.num_key_value_groups
+    query = _sharded_heads(module.q_proj.weight, module.head_dim, "q_proj")
+    kv = _sharded_heads(module.k_proj.weight, module.head_dim, "k_proj")
+    if query != range(kv.start * group, kv.stop * group):
+        raise ValueError(f"layer {module.layer_idx}: this rank holds query heads {query.start}..{query.stop - 1} and "
+                         f"KV heads {kv.start}..{kv.stop - 1}, which are not the same GQA groups (G={group}): "
+                         f"shard q_proj and k_proj/v_proj alike, over a number of ranks that divides the KV heads")
+    return query, kv
+
+
+def _sharded_heads(weight: torch.Tensor, head_dim: int, name: str) -> range:
+    """Global heads of a projection ``weight`` ``[heads * head_dim, hidden]`` held by this rank (all of them unless
+    it is a DTensor sharded on dim 0)."""
+    heads = weight.shape[0] // head_dim
+    if not torch.distributed.is_available():
+        return range(heads)
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return range(heads)
+    dims = [i for i, p in enumerate(weight.placements) if p.is_shard(0)]
+    if not dims:
+        return range(heads)
+    if len(dims) > 1:
+        raise ValueError(f"{name} is sharded by heads over {len(dims)} mesh dimensions; flexentropy supports one")
+    world, rank = weight.device_mesh.size(dims[0]), weight.device_mesh.get_local_rank(dims[0])
+    if heads % world:
+        raise ValueError(f"{name} has {heads} heads, which {world} tensor-parallel ranks cannot share without "
+                         f"splitting a head: use a number of ranks that divides {heads}")
+    per = heads // world
+    return range(rank * per, (rank + 1) * per)
+
+
 def prefill_density(model: nn.Module) -> float | None:
     """Mean density of the last prefill over the layers that recorded one (None if none did).
 
-    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out.
+    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out. Under tensor
+    parallelism it is over this rank's heads (`local_heads`).
     """
     densities = [s.density for m in attention_modules(model)
                  if (s := getattr(m, STATE_ATTR, None)) is not None and s.density is not None]

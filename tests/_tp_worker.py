@@ -1,0 +1,94 @@
+"""One process of tests/test_tensor_parallel.py, and what the test measures in every process.
+
+Launched by the test as ``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/_tp_worker.py DIR``:
+each rank loads every checkpoint under ``DIR`` (one folder per architecture) with transformers' tensor parallelism
+(``DistributedConfig(tp_plan="auto")``, gloo on CPU), runs `measure` and saves its result as ``DIR/<arch>/rank<r>.pt``.
+The test runs the same `measure` in its own process on the unsharded model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from flexentropy import EntropyConfig
+from flexentropy.caches import LatentKVCache
+from flexentropy.integrations import hf
+
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+"""Budgets that cover every key block (prefill) and every token (decode): flexentropy computes dense attention."""
+SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
+                      decode_window=16, decode_delay=4)
+"""Real sparsity: a few blocks per segment, and an eviction after 4 generated tokens."""
+PROMPT, NEW = 640, 8
+VOCAB = 256
+SPLIT = "split_heads"
+"""Folder of a checkpoint whose heads two ranks cannot share (one KV head): the worker records what `hf.enable` says."""
+
+
+def prompt() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def greedy(model: torch.nn.Module, cache: object = None, new: int = NEW) -> torch.Tensor:
+    """The ``new`` greedy tokens after `prompt` ``[1, new]`` (a flexentropy cache passed under the installed
+    transformers' keyword)."""
+    ids = prompt()
+    kwargs = {} if cache is None else {hf.cache_keyword(model): cache}
+    return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)[:, ids.shape[1]:]
+
+
+def measure(model: torch.nn.Module) -> dict:
+    """Dense tokens, flexentropy tokens at `COVERING` and `SMALL`, and at `SMALL`: every sparse layer's plan, the
+    queries and keys it was made from, and the positions the `LatentKVCache` kept (this process's heads only)."""
+    modules = hf.attention_modules(model)
+    out: dict = {"heads": [tuple((h.start, h.stop) for h in hf.local_heads(m)) for m in modules]}
+    with torch.no_grad():
+        out["dense"] = greedy(model)
+        hf.enable(model, COVERING)
+        out["covering"] = greedy(model, LatentKVCache(COVERING))
+        out["covering_density"] = hf.prefill_density(model)
+        hf.enable(model, SMALL)
+        inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep_inputs(layer: int, query: torch.Tensor, key: torch.Tensor, plan: object) -> object:
+            inputs[layer] = (query.clone(), key.clone())
+            return plan
+
+        for module in modules:
+            hf.layer_state(module).plan_edit = keep_inputs
+        cache = LatentKVCache(SMALL)
+        out["small"] = greedy(model, cache, new=12)
+    out["plans"] = {m.layer_idx: hf.layer_state(m).plans[0] for m in modules if m.layer_idx in inputs}
+    out["inputs"] = inputs
+    out["kept"] = {m.layer_idx: cache.layers[m.layer_idx].positions() for m in modules}
+    out["stored"] = {m.layer_idx: (cache.stored_length(m.layer_idx), cache.get_seq_length(m.layer_idx))
+                     for m in modules}
+    return out
+
+
+def main(root: Path) -> None:
+    from transformers.distributed import DistributedConfig
+
+    for folder in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
+        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                     dtype=torch.float32, attn_implementation="sdpa").eval()
+        if folder.name == SPLIT:
+            try:
+                hf.enable(model)
+                result = {"refused": None}
+            except ValueError as error:
+                result = {"refused": str(error)}
+        else:
+            result = measure(model)
+        result["world_size"] = dist.get_world_size()
+        torch.save(result, folder / f"rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -84,8 +84,13 @@ class LayerState:
         prefill: one of `PREFILL_MODES`.
         knobs: the prefill policy's own knobs (`PrefillPolicy.knobs`; empty: its defaults).
         plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
-            empty before any prefill, for sliding-window layers, and under ``torch.compile``. Kept as tensors so
-            the prefill path never waits on the GPU; `density` reads them on request.
+            empty before any prefill, for sliding-window layers, under ``torch.compile``, and when ``keep_plans`` is
+            False. Kept as tensors so the prefill path never waits on the GPU.
+        keep_plans: whether to keep ``plans``. A plan's block table is ``Hq * C_Q * C_B`` bools per row: 1 GiB per
+            layer at 1M tokens with 16 query heads, held for every layer until the next prefill; False keeps only
+            ``densities``.
+        densities: the last prefill's `SparsePlan.density` per row, as 0-d tensors (None: run densely); empty
+            when ``plans`` is (``keep_plans`` aside). `density` reads them on request.
         plan_edit: None, or a `PlanEdit` that replaces each sparse plan of this layer before it runs (the recorded
             plans are the edited ones); `enable` resets it.
     """
@@ -94,6 +99,8 @@ class LayerState:
     prefill: str
     knobs: dict[str, Any] = field(default_factory=dict)
     plans: list[SparsePlan | None] = field(default_factory=list)
+    keep_plans: bool = True
+    densities: list[torch.Tensor | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
     policy: PrefillPolicy = field(init=False, repr=False)
     """The prefill policy named ``prefill``, on ``config``, with its own ``knobs``."""
@@ -104,9 +111,9 @@ class LayerState:
     @property
     def density(self) -> float | None:
         """Computed / causal key blocks of the layer's last prefill (mean over batch rows; 1.0 when dense)."""
-        if not self.plans:
+        if not self.densities:
             return None
-        return sum(1.0 if p is None else p.density for p in self.plans) / len(self.plans)
+        return sum(1.0 if d is None else float(d) for d in self.densities) / len(self.densities)
 
 
 def register() -> None:
@@ -185,8 +192,8 @@ def check_supported(config: Any) -> None:
         raise ValueError("flexentropy supports causal attention only (config.use_bidirectional_attention=True)")
 
 
-def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy"
-           ) -> PreTrainedModel:
+def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
+           keep_plans: bool = True) -> PreTrainedModel:
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Sets ``attn_implementation="flexentropy"``, stores ``config`` and ``prefill`` on ``model.config.flexentropy``
@@ -202,6 +209,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
             own knobs at their defaults, budget and geometry from ``config``); or a `PrefillPolicy` with knobs of
             its own, e.g. ``make_prefill("xattention", cfg, threshold=0.8)``, which carries its config (leave
             ``config`` None or pass the same one).
+        keep_plans: keep each layer's last prefill plans on its `LayerState` (``plans``). Pass False for prompts of
+            several hundred thousand tokens: a plan's block table grows with the square of the length (1 GiB per
+            layer at 1M tokens and 16 query heads); the prefill's density stays available either way.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
@@ -226,7 +236,7 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
-        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs))
+        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs, keep_plans=keep_plans))
         if getattr(module, _HOOK_ATTR, None) is None:
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
     return model
@@ -429,9 +439,11 @@ def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: 
 
 
 def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:
-    """Keep the prefill's ``plans`` (None: a row run densely) for `LayerState.density`, except while compiling."""
+    """Keep the prefill's densities and (``state.keep_plans``) ``plans`` (None: a row run densely) on ``state``,
+    except while compiling."""
     if not torch.compiler.is_compiling():
-        state.plans = plans
+        state.densities = [None if p is None else p.density_tensor() for p in plans]
+        state.plans = plans if state.keep_plans else []
 
 
 register()

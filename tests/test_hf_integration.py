@@ -135,7 +135,7 @@ def test_keep_plans_false_keeps_the_density_not_the_plans() -> None:
     ids = prompt()
     with torch.no_grad():
         logits = model(ids).logits
-        kept = [s.layer_idx for s in hf.attention_modules(model) if hf.layer_state(s).plans[0] is not None]
+        kept = [m.layer_idx for m in hf.attention_modules(model) if hf.layer_state(m).plans[0] is not None]
         density = prefill_density(model)
         enable(model, SMALL, keep_plans=False)
         torch.testing.assert_close(model(ids).logits, logits, atol=0, rtol=0)

@@ -21,14 +21,16 @@ random, so there is no checkpoint to write or read (``setup_s`` in the JSON is t
    prompt (``cudnn``, ``flash``) and to ``--dense-decode-backend`` (flash: cuDNN re-plans at every new length) for the
    tokens, with a `DynamicCache`. TTFT is the prompt's forward with ``logits_to_keep=1`` plus the first token's
    argmax; then ``--new-tokens`` single-token steps (median, mean and slowest step: flexentropy's eviction runs at
-   step ``decode_delay``). Peak memory per GPU after the prompt and after the steps. Each variant is warmed up once
-   on a ``--warmup-tokens`` prompt first (compiles the flex graphs).
+   step ``decode_delay``). Peak memory per GPU after the prompt and after the steps; ``compiles``: graphs dynamo
+   compiled during the row. Each variant is warmed up once on a ``--warmup-tokens`` prompt first (compiles the flex
+   graphs).
 
 An out-of-memory error or other failure of a row is recorded and the run goes on; a dense row whose predicted time
-(its last measured dense row scaled by the square of the length) exceeds what is left of ``--budget-s`` is skipped
-with that reason. Rank 0 rewrites ``DIR/tp_scale_<world>gpu_<contexts>.json`` after every row (one file per call,
-so that several calls can share ``DIR``) and prints a table last. ``--world 1`` rows
-(``torchrun --nproc-per-node 1``) run the same code on one GPU without sharding, for the 1-GPU rows beside these.
+(its last measured dense row scaled by the square of the length; before one, the one-GPU 128k figure of
+docs/performance.md) exceeds what is left of ``--budget-s`` is skipped with that reason. Rank 0 rewrites
+``DIR/tp_scale_<world>gpu_<contexts>.json`` after every row (one file per call, so that several calls can share
+``DIR``) and prints a table last. ``--nproc-per-node 1`` runs the same code on one GPU without sharding, for 1-GPU
+rows measured alike. Nothing persists between calls: each call builds its shards again (``setup_s``).
 A rank that fails alone (e.g. an out-of-memory error on one GPU only) leaves the other waiting in a collective: the
 process group's timeout (``--collective-timeout-s``) then ends the run, and the JSON keeps the rows before it.
 """
@@ -112,6 +114,11 @@ def free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def gathered(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on every rank), bool tensors included."""
     send = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
@@ -175,7 +182,8 @@ def check_plans(model, args: argparse.Namespace, rank: int, world: int, device: 
     for layer in sorted(inputs):
         query, key, plan = inputs[layer]
         queries, keys = gathered(query, world), gathered(key, world)
-        parts = {name: gathered(getattr(plan, name), world) for name in PLAN_FIELDS}
+        parts = {name: gathered(getattr(plan, name), world) for name in PLAN_FIELDS
+                 if getattr(plan, name) is not None}  # None alike on every rank (same length and knobs)
         if rank == 0:
             with torch.inference_mode():
                 full = policy.plan(torch.cat(queries, dim=1), torch.cat(keys, dim=1), layer)
@@ -184,8 +192,9 @@ def check_plans(model, args: argparse.Namespace, rank: int, world: int, device: 
             for r in range(world):
                 own = slice(*heads[r][layer][0])
                 for name, key_name in (("blocks", "blocks_differing"), ("rigid", "rigid_differing")):
-                    row[key_name] += int((parts[name][r] != getattr(full, name)[:, own]).sum())
-                for name in ("budgets", "entropy"):
+                    if name in parts:
+                        row[key_name] += int((parts[name][r] != getattr(full, name)[:, own]).sum())
+                for name in ("budgets", "entropy") if "budgets" in parts else ():
                     diff = float((parts[name][r] - getattr(full, name)[:, own]).abs().max())
                     row[f"{name}_max_abs_diff"] = max(row[f"{name}_max_abs_diff"], diff)
             layers.append(row)
@@ -217,6 +226,7 @@ def run(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.Entropy
     prefill_ctx, decode_ctx, make_cache = configure(model, variant, cfg, args)
     keyword = hf.cache_keyword(model)
     cache = make_cache()
+    compiled = graphs()
     free(device)
     dist.barrier()
     sync(device)
@@ -237,6 +247,7 @@ def run(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.Entropy
                 sync(device)
                 steps.append((time.perf_counter() - step_start) * 1e3)
     row = {"ttft_s": ttft, "peak_prefill_gib": peak_prefill, "peak_total_gib": peak_gib(device),
+           "compiles": graphs() - compiled,
            "decode_step_ms": sorted(steps)[len(steps) // 2] if steps else None,
            "decode_mean_ms": sum(steps) / len(steps) if steps else None, "decode_max_ms": max(steps, default=None),
            "decode_steps_ms": [round(s, 3) for s in steps]}
@@ -246,14 +257,21 @@ def run(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.Entropy
     return row
 
 
-def predicted_dense_s(rows: list[dict], variant: str, n: int) -> float | None:
-    """The time of a ``variant`` row at ``n`` tokens: its longest measured row scaled by ``(n / N)^2`` (attention
-    dominates there; the rest grows linearly, so this overestimates)."""
+ONE_GPU_TTFT_128K_S = {"cudnn": 11.72, "flash": 17.24}
+"""Dense TTFT of this model at 128k tokens on one H200 (docs/results/end_to_end.json): the prior of a dense row's
+time until the run has measured one of its own."""
+
+
+def predicted_dense_s(rows: list[dict], variant: str, n: int, world: int) -> float | None:
+    """The time of a ``variant`` row at ``n`` tokens: its longest measured row (else the one-GPU 128k figure over
+    ``world`` GPUs) scaled by ``(n / N)^2``. Attention dominates there; the rest grows linearly, so this overestimates.
+    None without either."""
     done = [r for r in rows if r["variant"] == variant and r.get("ttft_s") is not None]
-    if not done:
-        return None
-    last = max(done, key=lambda r: r["n"])
-    return (last["ttft_s"] + len(last["decode_steps_ms"]) * last["decode_mean_ms"] / 1e3) * (n / last["n"]) ** 2
+    if done:
+        last = max(done, key=lambda r: r["n"])
+        return (last["ttft_s"] + sum(last["decode_steps_ms"]) / 1e3) * (n / last["n"]) ** 2
+    prior = ONE_GPU_TTFT_128K_S.get(variant.removeprefix("dense_"))
+    return None if prior is None else prior / world * (n / 131072) ** 2
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         for variant in variants:
             row = {"n": n, "variant": variant}
             left = args.budget_s - (time.perf_counter() - began)
-            guess = predicted_dense_s(payload["rows"], variant, n) if variant.startswith("dense_") else None
+            guess = predicted_dense_s(payload["rows"], variant, n, world) if variant.startswith("dense_") else None
             skip = from_rank0(f"predicted {guess:.0f} s > {left:.0f} s left of the budget"
                               if guess is not None and guess > left else
                               (f"{left:.0f} s left of the budget" if left <= 0 else None))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from flexentropy import EntropyConfig
-from flexentropy.caches import LatentKVCache
+from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.integrations import hf
 
 COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
@@ -34,17 +34,19 @@ def prompt() -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
 
 
-def greedy(model: torch.nn.Module, cache: object = None, new: int = NEW) -> torch.Tensor:
+def greedy(model: torch.nn.Module, cache: object = None, new: int = NEW, **kwargs: object) -> torch.Tensor:
     """The ``new`` greedy tokens after `prompt` ``[1, new]`` (a flexentropy cache passed under the installed
     transformers' keyword)."""
     ids = prompt()
-    kwargs = {} if cache is None else {hf.cache_keyword(model): cache}
+    if cache is not None:
+        kwargs[hf.cache_keyword(model)] = cache
     return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)[:, ids.shape[1]:]
 
 
 def measure(model: torch.nn.Module) -> dict:
     """Dense tokens, flexentropy tokens at `COVERING` and `SMALL`, and at `SMALL`: every sparse layer's plan, the
-    queries and keys it was made from, and the positions the `LatentKVCache` kept (this process's heads only)."""
+    queries and keys it was made from, and the positions the `LatentKVCache` kept (this process's heads only); the
+    same prompt's tokens and kept positions with a `StaticLatentKVCache` (eager)."""
     modules = hf.attention_modules(model)
     out: dict = {"heads": [tuple((h.start, h.stop) for h in hf.local_heads(m)) for m in modules]}
     with torch.no_grad():
@@ -63,9 +65,12 @@ def measure(model: torch.nn.Module) -> dict:
             hf.layer_state(module).plan_edit = keep_inputs
         cache = LatentKVCache(SMALL)
         out["small"] = greedy(model, cache, new=12)
-    out["plans"] = {m.layer_idx: hf.layer_state(m).plans[0] for m in modules if m.layer_idx in inputs}
+        out["plans"] = {m.layer_idx: hf.layer_state(m).plans[0] for m in modules if m.layer_idx in inputs}
+        static = StaticLatentKVCache(SMALL, model=model)
+        out["static"] = greedy(model, static, new=12, disable_compile=True)
     out["inputs"] = inputs
-    out["kept"] = {m.layer_idx: cache.layers[m.layer_idx].positions() for m in modules}
+    out["kept"] = {m.layer_idx: cache.kept_positions(m.layer_idx) for m in modules}
+    out["static_kept"] = {m.layer_idx: static.kept_positions(m.layer_idx) for m in modules}
     out["stored"] = {m.layer_idx: (cache.stored_length(m.layer_idx), cache.get_seq_length(m.layer_idx))
                      for m in modules}
     return out

@@ -4,8 +4,9 @@ Each architecture's random checkpoint is saved once; ``tests/_tp_worker.py`` loa
 ``DistributedConfig(tp_plan="auto")`` (q/k/v sharded by heads: each rank's attention sees 2 of the 4 query heads and
 1 of the 2 KV heads) and this process loads it whole. The same `measure` runs in all three. Checks: at covering
 budgets TP flexentropy generates TP dense's tokens (and the single process's); each rank's sparse prefill plans and
-`LatentKVCache` entries are the single process's for the heads the rank holds; and a rank's plan is exactly the
-single-process plan of the full-head inputs, restricted to its heads.
+`LatentKVCache` entries are the single process's for the heads the rank holds (and a `StaticLatentKVCache` keeps the
+same entries); and a rank's plan is exactly the single-process plan of the full-head inputs, restricted to its heads.
+The sharding that would split a head is refused by `enable`.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def test_ranks_plan_and_evict_their_heads_as_one_process_does(runs: dict, arch: 
         stored, seen = single["stored"][layer]
         assert stored < seen  # evicted
         assert all(result["stored"][layer] == (stored, seen) for result in ranks)
+    for result in (single, *ranks):  # the static cache takes the dynamic cache's decisions, on every rank
+        assert torch.equal(result["static"], result["small"])
+        for layer, kept in result["kept"].items():
+            assert torch.equal(result["static_kept"][layer], kept), layer
     for result in ranks:
         assert torch.equal(result["small"], single["small"])
 

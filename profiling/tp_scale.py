@@ -20,10 +20,10 @@ random, so there is no checkpoint to write or read (``setup_s`` in the JSON is t
    else Triton) with a `LatentKVCache`; ``dense_<backend>`` is transformers' SDPA pinned to that backend for the
    prompt (``cudnn``, ``flash``) and to ``--dense-decode-backend`` (flash: cuDNN re-plans at every new length) for the
    tokens, with a `DynamicCache`. TTFT is the prompt's forward with ``logits_to_keep=1`` plus the first token's
-   argmax; then ``--new-tokens`` single-token steps (median, mean and slowest step: flexentropy's eviction runs at
-   step ``decode_delay``). Peak memory per GPU after the prompt and after the steps; ``compiles``: graphs dynamo
-   compiled during the row. Each variant is warmed up once on a ``--warmup-tokens`` prompt first (compiles the flex
-   graphs).
+   argmax; then ``--new-tokens`` single-token steps (median, mean and slowest step; for flexentropy also the median
+   before and after its eviction, which runs at step ``decode_delay``: the table shows the latter). Peak memory per
+   GPU after the prompt and after the steps; ``compiles``: graphs dynamo compiled during the row. Each variant is
+   warmed up once on a ``--warmup-tokens`` prompt first (compiles the flex graphs).
 
 An out-of-memory error or other failure of a row is recorded and the run goes on; a dense row whose predicted time
 (its last measured dense row scaled by the square of the length; before one, the one-GPU 128k figure of
@@ -248,13 +248,20 @@ def run(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.Entropy
                 steps.append((time.perf_counter() - step_start) * 1e3)
     row = {"ttft_s": ttft, "peak_prefill_gib": peak_prefill, "peak_total_gib": peak_gib(device),
            "compiles": graphs() - compiled,
-           "decode_step_ms": sorted(steps)[len(steps) // 2] if steps else None,
+           "decode_step_ms": median(steps),
            "decode_mean_ms": sum(steps) / len(steps) if steps else None, "decode_max_ms": max(steps, default=None),
            "decode_steps_ms": [round(s, 3) for s in steps]}
     if not variant.startswith("dense_"):
         row["density"] = hf.prefill_density(model)
         row["kv_stored_per_layer"] = cache.stored_length(1)
+        delay = cfg.decode_delay  # the eviction runs in the step after `delay` generated tokens
+        row["decode_before_eviction_ms"] = median(steps[:delay - 1])
+        row["decode_after_eviction_ms"] = median(steps[delay + 1:])
     return row
+
+
+def median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 ONE_GPU_TTFT_128K_S = {"cudnn": 11.72, "flash": 17.24}
@@ -380,7 +387,7 @@ def print_table(payload: dict) -> None:
         peak = max((x for x in peaks if x is not None), default=float("nan"))
         note = r.get("skipped") or (r.get("error") or "")[:60]
         ttft = r.get("ttft_s")
-        step = r.get("decode_step_ms")
+        step = r.get("decode_after_eviction_ms") or r.get("decode_step_ms")
         print(f"{r['n']:>8} {r['variant']:>12} {ttft if ttft is not None else float('nan'):8.2f} "
               f"{step if step is not None else float('nan'):8.1f} {peak:13.1f} "
               f"{r.get('density') or float('nan'):7.3f}  {note}")

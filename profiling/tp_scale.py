@@ -103,8 +103,11 @@ def prompt(n: int, seed: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.randint(100, vocab - 100, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def peak_gib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+def peak_gib(device: torch.device, reserved: bool = False) -> float:
+    """Peak GiB of tensors (``reserved``: of the caching allocator's segments) on ``device`` since the last reset."""
+    if device.type != "cuda":
+        return float("nan")
+    return (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device) / 2**30
 
 
 def free(device: torch.device) -> None:
@@ -247,6 +250,7 @@ def run(model, variant: str, ids: torch.Tensor, new_tokens: int, cfg: fe.Entropy
                 sync(device)
                 steps.append((time.perf_counter() - step_start) * 1e3)
     row = {"ttft_s": ttft, "peak_prefill_gib": peak_prefill, "peak_total_gib": peak_gib(device),
+           "peak_reserved_gib": peak_gib(device, reserved=True),
            "compiles": graphs() - compiled,
            "decode_step_ms": median(steps),
            "decode_mean_ms": sum(steps) / len(steps) if steps else None, "decode_max_ms": max(steps, default=None),
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = [None] * world
             dist.all_gather_object(per_rank, results)
             row.update({k: v for k, v in per_rank[0].items() if not k.startswith("peak")})
-            for key in ("peak_prefill_gib", "peak_total_gib", "peak_at_error_gib"):
+            for key in ("peak_prefill_gib", "peak_total_gib", "peak_reserved_gib", "peak_at_error_gib"):
                 if key in per_rank[0]:
                     row[f"{key}_per_rank"] = [r.get(key) for r in per_rank]
             if any("error" in r for r in per_rank):

@@ -9,11 +9,13 @@ The test runs the same `measure` in its own process on the unsharded model.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from flexentropy import EntropyConfig
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
@@ -43,14 +45,29 @@ def greedy(model: torch.nn.Module, cache: object = None, new: int = NEW, **kwarg
     return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)[:, ids.shape[1]:]
 
 
+def collectives(model: torch.nn.Module, cache: object) -> Counter[str]:
+    """Collective calls of the process group's backend (profiler events such as ``gloo:all_reduce``) in one prompt
+    forward and one decode step over ``cache``; empty without a process group."""
+    if not dist.is_initialized():
+        return Counter()
+    backend = dist.get_backend()
+    keyword = {hf.cache_keyword(model): cache}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(prompt(), use_cache=True, **keyword).logits
+        model(logits[:, -1:].argmax(-1), use_cache=True, **keyword)
+    return Counter(e.name for e in prof.events() if e.name.startswith(f"{backend}:"))
+
+
 def measure(model: torch.nn.Module) -> dict:
     """Dense tokens, flexentropy tokens at `COVERING` and `SMALL`, and at `SMALL`: every sparse layer's plan, the
     queries and keys it was made from, and the positions the `LatentKVCache` kept (this process's heads only); the
-    same prompt's tokens and kept positions with a `StaticLatentKVCache` (eager)."""
+    same prompt's tokens and kept positions with a `StaticLatentKVCache` (eager); the collectives of a prompt and a
+    step, dense and sparse."""
     modules = hf.attention_modules(model)
     out: dict = {"heads": [tuple((h.start, h.stop) for h in hf.local_heads(m)) for m in modules]}
     with torch.no_grad():
         out["dense"] = greedy(model)
+        out["dense_collectives"] = collectives(model, DynamicCache())
         hf.enable(model, COVERING)
         out["covering"] = greedy(model, LatentKVCache(COVERING))
         out["covering_density"] = hf.prefill_density(model)
@@ -66,6 +83,7 @@ def measure(model: torch.nn.Module) -> dict:
         cache = LatentKVCache(SMALL)
         out["small"] = greedy(model, cache, new=12)
         out["plans"] = {m.layer_idx: hf.layer_state(m).plans[0] for m in modules if m.layer_idx in inputs}
+        out["sparse_collectives"] = collectives(model, LatentKVCache(SMALL))
         static = StaticLatentKVCache(SMALL, model=model)
         out["static"] = greedy(model, static, new=12, disable_compile=True)
     out["inputs"] = inputs

@@ -6,7 +6,8 @@ Each architecture's random checkpoint is saved once; ``tests/_tp_worker.py`` loa
 budgets TP flexentropy generates TP dense's tokens (and the single process's); each rank's sparse prefill plans and
 `LatentKVCache` entries are the single process's for the heads the rank holds (and a `StaticLatentKVCache` keeps the
 same entries); and a rank's plan is exactly the single-process plan of the full-head inputs, restricted to its heads.
-The sharding that would split a head is refused by `enable`.
+A prompt and a decode step make the same collective calls under flexentropy as dense. The sharding that would split
+a head is refused by `enable`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def test_each_rank_attends_over_its_own_whole_heads(runs: dict, arch: str) -> No
         assert all(heads == ((2 * rank, 2 * rank + 2), (rank, rank + 1)) for heads in result["heads"])
         for layer, (query, key) in result["inputs"].items():  # what the attention function received
             assert query.shape[1] == 2 and key.shape[1] == 1, layer
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flexentropy_adds_no_communication(runs: dict, arch: str) -> None:
+    # per prompt and per step: an all-reduce after o_proj and down_proj of each layer and the embedding (5.24), and
+    # the gathered logits; the sparse prefill and the evicting cache add none
+    for result in runs[arch]["ranks"]:
+        assert result["dense_collectives"]["gloo:all_reduce"] >= 2 * COMMON["num_hidden_layers"]
+        assert result["sparse_collectives"] == result["dense_collectives"]
+    assert not runs[arch]["single"]["dense_collectives"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,7 +11,8 @@ random, so there is no checkpoint to write or read (``setup_s`` in the JSON is t
 
 1. Checks (unless ``--skip-checks``). *Tokens*: a float32 model of ``--check-layers`` layers of the same shape, at
    covering budgets (every key block planned, no eviction), generates the same greedy tokens under flexentropy
-   (`LatentKVCache`) as dense SDPA (`DynamicCache`), both tensor parallel. *Plans*: one prefill of the bf16 model
+   (`LatentKVCache`) as dense SDPA (`DynamicCache`), both tensor parallel, and a prompt and a step make the same
+   collective calls (profiler events of the NCCL backend). *Plans*: one prefill of the bf16 model
    at the default knobs (``dense_prefix`` 1024, so that most segments are sparse); every rank's plan of every sparse
    layer is compared with the single-GPU plan that rank 0 computes from all ranks' queries and keys of that layer
    (gathered), restricted to the rank's heads (`flexentropy.integrations.hf.local_heads`).
@@ -153,13 +154,34 @@ def check_tokens(args: argparse.Namespace, world: int, device: torch.device) -> 
     covering = fe.EntropyConfig(dense_prefix=1024, base_budget=float(n), decode_budget=n + new)
     with torch.inference_mode():
         dense = greedy(model, ids, DynamicCache(), new)
+        dense_calls = collective_calls(model, ids, DynamicCache())
         fe.enable(model, covering)
         ours = greedy(model, ids, fe.LatentKVCache(covering), new)
+        our_calls = collective_calls(model, ids, fe.LatentKVCache(covering))
     density = hf.prefill_density(model)
     del model
     free(device)
     return {"check": "covering_tokens", "dtype": "float32", "layers": args.check_layers, "n": n, "dense": dense,
-            "flexentropy": ours, "density": density, "passed": dense == ours and density == 1.0}
+            "flexentropy": ours, "density": density, "dense_collectives": dense_calls,
+            "flexentropy_collectives": our_calls, "collectives_seen": bool(dense_calls),
+            "passed": dense == ours and density == 1.0 and dense_calls == our_calls}
+
+
+def collective_calls(model, ids: torch.Tensor, cache: object) -> dict[str, int]:
+    """Calls of the process group's backend (profiler events ``nccl:all_reduce``, ...) in one prompt forward and one
+    decode step over ``cache``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    backend = dist.get_backend()
+    keyword = {hf.cache_keyword(model): cache}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **keyword).logits
+        model(input_ids=logits[:, -1:].argmax(-1), use_cache=True, **keyword)
+    calls: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith(f"{backend}:"):
+            calls[event.name] = calls.get(event.name, 0) + 1
+    return calls
 
 
 def check_plans(model, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:

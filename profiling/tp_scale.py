@@ -16,11 +16,12 @@ random, so there is no checkpoint to write or read (``setup_s`` in the JSON is t
    at the default knobs (``dense_prefix`` 1024, so that most segments are sparse); every rank's plan of every sparse
    layer is compared with the single-GPU plan that rank 0 computes from all ranks' queries and keys of that layer
    (gathered), restricted to the rank's heads (`flexentropy.integrations.hf.local_heads`).
-2. One row per context and variant, flexentropy first (so that its row is in the JSON even if dense then takes the
-   rest of the time): ``flexentropy`` is `fe.enable` at its defaults (FLASH backend when flash-attn-4 is importable,
-   else Triton) with a `LatentKVCache`; ``dense_<backend>`` is transformers' SDPA pinned to that backend for the
-   prompt (``cudnn``, ``flash``) and to ``--dense-decode-backend`` (flash: cuDNN re-plans at every new length) for the
-   tokens, with a `DynamicCache`. TTFT is the prompt's forward with ``logits_to_keep=1`` plus the first token's
+2. One row per context and variant, all flexentropy rows first (so that they are in the JSON even if a dense row
+   then takes the rest of the time or fails for good): ``flexentropy`` is `fe.enable` at its defaults (FLASH
+   backend when flash-attn-4 is importable, else Triton) with a `LatentKVCache`; ``dense_<backend>`` is
+   transformers' SDPA pinned to that backend for the prompt (``cudnn``, ``flash``) and to
+   ``--dense-decode-backend`` (flash: cuDNN re-plans at every new length) for the tokens, with a `DynamicCache`.
+   TTFT is the prompt's forward with ``logits_to_keep=1`` plus the first token's
    argmax; then ``--new-tokens`` single-token steps (median, mean and slowest step; for flexentropy also the median
    before and after its eviction, which runs at step ``decode_delay``: the table shows the latter). Peak memory per
    GPU after the prompt and after the steps; ``compiles``: graphs dynamo compiled during the row. Each variant is
@@ -360,9 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = ([] if args.no_flexentropy else ["flexentropy"]) + [f"dense_{b}" for b in args.dense_backends]
     warm: set[str] = set()
     vocab = model.config.vocab_size
-    for n in args.contexts:
-        ids = prompt(n, n, vocab, device)
-        for variant in variants:
+    for variant in variants:  # every flexentropy row first: a failing dense kernel cannot take them with it
+        for n in args.contexts:
+            ids = prompt(n, n, vocab, device)
             row = {"n": n, "variant": variant}
             left = args.budget_s - (time.perf_counter() - began)
             guess = predicted_dense_s(payload["rows"], variant, n, world) if variant.startswith("dense_") else None

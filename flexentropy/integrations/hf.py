@@ -250,6 +250,8 @@ def local_heads(module: nn.Module) -> tuple[range, range]:
     DTensors sharded on their output dimension, the ``"colwise"`` style of ``tp_plan="auto"``), this rank's slice:
     the heads :func:`attention_forward` receives, the rows of the plans in `LayerState.plans` and the heads a
     `PolicyCache` stores for the layer. Query heads ``q`` read KV heads ``q // G`` (``G`` = ``num_key_value_groups``).
+    Read from the weights' sharding: a style that gathers a projection's output (``"colwise_gather_output"``) would
+    hand the attention every head, which this does not see.
 
     Raises:
         ValueError: the sharding splits a head, or a rank's query heads read KV heads of another rank.

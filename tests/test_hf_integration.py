@@ -130,6 +130,22 @@ def test_small_budgets_run_finite_and_causal(arch: str) -> None:
     assert cache.stored_length(1) < cache.get_seq_length(1)  # evicted: the queries were handed over
 
 
+def test_keep_plans_false_keeps_the_density_not_the_plans() -> None:
+    _, model = twins("llama", SMALL)
+    ids = prompt()
+    with torch.no_grad():
+        logits = model(ids).logits
+        kept = [m.layer_idx for m in hf.attention_modules(model) if hf.layer_state(m).plans[0] is not None]
+        density = prefill_density(model)
+        enable(model, SMALL, keep_plans=False)
+        torch.testing.assert_close(model(ids).logits, logits, atol=0, rtol=0)
+    states = [hf.layer_state(m) for m in hf.attention_modules(model)]
+    assert kept == sparse_layers(model, SMALL) and all(s.plans == [] for s in states)
+    assert [d is None for s in states for d in s.densities] == [i not in sparse_layers(model, SMALL)
+                                                                 for i in range(len(states))]
+    assert prefill_density(model) == pytest.approx(density) and density < 1.0
+
+
 def left_padded(lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(ids [B, max], attention_mask [B, max], solo prompts)`` for prompts of ``lengths``, left-padded with 0."""
     solos = [prompt(n, seed=10 + i) for i, n in enumerate(lengths)]

@@ -6,8 +6,10 @@ from flexentropy.integrations.hf import (
     SUPPORTED_MODEL_TYPES,
     cache_keyword,
     enable,
+    local_heads,
     prefill_density,
     register,
 )
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "enable", "prefill_density", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "enable", "local_heads", "prefill_density",
+           "register"]

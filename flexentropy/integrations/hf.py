@@ -15,6 +15,13 @@ What runs: a prompt (no past) runs the layer's prefill policy on the layers that
 ``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
 steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts); over other caches, SDPA.
 ``torch.compile(model)`` traces all of this. Only `SUPPORTED_MODEL_TYPES`; inference only, causal attention only.
+
+Tensor parallelism (transformers' ``DistributedConfig(tp_plan="auto")``, started with ``torchrun``): q/k/v are
+sharded by heads, so each rank's attention function receives its own whole heads as plain tensors
+(``[B, Hq / world, N, D]``, ``[B, Hkv / world, N, D]``) while ``module.config`` still counts every head. Nothing here
+reads the head counts of the config: each rank plans its sparse prefill from its local heads and a `PolicyCache` keeps
+its local KV heads; flexentropy adds no communication. `local_heads` says which of the model's heads a rank holds, and
+:func:`enable` refuses a sharding that splits a head or a GQA group.
 """
 
 from __future__ import annotations
@@ -77,8 +84,13 @@ class LayerState:
         prefill: one of `PREFILL_MODES`.
         knobs: the prefill policy's own knobs (`PrefillPolicy.knobs`; empty: its defaults).
         plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
-            empty before any prefill, for sliding-window layers, and under ``torch.compile``. Kept as tensors so
-            the prefill path never waits on the GPU; `density` reads them on request.
+            empty before any prefill, for sliding-window layers, under ``torch.compile``, and when ``keep_plans`` is
+            False. Kept as tensors so the prefill path never waits on the GPU.
+        keep_plans: whether to keep ``plans``. A plan's block table is ``Hq * C_Q * C_B`` bools per row: 1 GiB per
+            layer at 1M tokens with 16 query heads, held for every layer until the next prefill; False keeps only
+            ``densities``.
+        densities: the last prefill's `SparsePlan.density` per row, as 0-d tensors (None: run densely); empty
+            when ``plans`` is (``keep_plans`` aside). `density` reads them on request.
         plan_edit: None, or a `PlanEdit` that replaces each sparse plan of this layer before it runs (the recorded
             plans are the edited ones); `enable` resets it.
     """
@@ -87,6 +99,8 @@ class LayerState:
     prefill: str
     knobs: dict[str, Any] = field(default_factory=dict)
     plans: list[SparsePlan | None] = field(default_factory=list)
+    keep_plans: bool = True
+    densities: list[torch.Tensor | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
     policy: PrefillPolicy = field(init=False, repr=False)
     """The prefill policy named ``prefill``, on ``config``, with its own ``knobs``."""
@@ -97,9 +111,9 @@ class LayerState:
     @property
     def density(self) -> float | None:
         """Computed / causal key blocks of the layer's last prefill (mean over batch rows; 1.0 when dense)."""
-        if not self.plans:
+        if not self.densities:
             return None
-        return sum(1.0 if p is None else p.density for p in self.plans) / len(self.plans)
+        return sum(1.0 if d is None else float(d) for d in self.densities) / len(self.densities)
 
 
 def register() -> None:
@@ -178,8 +192,8 @@ def check_supported(config: Any) -> None:
         raise ValueError("flexentropy supports causal attention only (config.use_bidirectional_attention=True)")
 
 
-def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy"
-           ) -> PreTrainedModel:
+def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
+           keep_plans: bool = True) -> PreTrainedModel:
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Sets ``attn_implementation="flexentropy"``, stores ``config`` and ``prefill`` on ``model.config.flexentropy``
@@ -195,6 +209,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
             own knobs at their defaults, budget and geometry from ``config``); or a `PrefillPolicy` with knobs of
             its own, e.g. ``make_prefill("xattention", cfg, threshold=0.8)``, which carries its config (leave
             ``config`` None or pass the same one).
+        keep_plans: keep each layer's last prefill plans on its `LayerState` (``plans``). Pass False for prompts of
+            several hundred thousand tokens: a plan's block table grows with the square of the length (1 GiB per
+            layer at 1M tokens and 16 query heads); the prefill's density stays available either way.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
@@ -213,20 +230,70 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
+    for module in modules:
+        local_heads(module)  # a tensor-parallel sharding must keep whole heads and GQA groups on each rank
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
-        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs))
+        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs, keep_plans=keep_plans))
         if getattr(module, _HOOK_ATTR, None) is None:
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
     return model
 
 
+def local_heads(module: nn.Module) -> tuple[range, range]:
+    """``(query heads, KV heads)``: the model's heads, as global indices, that this process's attention ``module``
+    computes.
+
+    Without tensor parallelism, every head. Under transformers' tensor parallelism (``q_proj`` and ``k_proj`` weights
+    DTensors sharded on their output dimension, the ``"colwise"`` style of ``tp_plan="auto"``), this rank's slice:
+    the heads :func:`attention_forward` receives, the rows of the plans in `LayerState.plans` and the heads a
+    `PolicyCache` stores for the layer. Query heads ``q`` read KV heads ``q // G`` (``G`` = ``num_key_value_groups``).
+    Read from the weights' sharding: a style that gathers a projection's output (``"colwise_gather_output"``) would
+    hand the attention every head, which this does not see.
+
+    Raises:
+        ValueError: the sharding splits a head, or a rank's query heads read KV heads of another rank.
+    """
+    group = module.num_key_value_groups
+    query = _sharded_heads(module.q_proj.weight, module.head_dim, "q_proj")
+    kv = _sharded_heads(module.k_proj.weight, module.head_dim, "k_proj")
+    if query != range(kv.start * group, kv.stop * group):
+        raise ValueError(f"layer {module.layer_idx}: this rank holds query heads {query.start}..{query.stop - 1} and "
+                         f"KV heads {kv.start}..{kv.stop - 1}, which are not the same GQA groups (G={group}): "
+                         f"shard q_proj and k_proj/v_proj alike, over a number of ranks that divides the KV heads")
+    return query, kv
+
+
+def _sharded_heads(weight: torch.Tensor, head_dim: int, name: str) -> range:
+    """Global heads of a projection ``weight`` ``[heads * head_dim, hidden]`` held by this rank (all of them unless
+    it is a DTensor sharded on dim 0)."""
+    heads = weight.shape[0] // head_dim
+    if not torch.distributed.is_available():
+        return range(heads)
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return range(heads)
+    dims = [i for i, p in enumerate(weight.placements) if p.is_shard(0)]
+    if not dims:
+        return range(heads)
+    if len(dims) > 1:
+        raise ValueError(f"{name} is sharded by heads over {len(dims)} mesh dimensions; flexentropy supports one")
+    world, rank = weight.device_mesh.size(dims[0]), weight.device_mesh.get_local_rank(dims[0])
+    if heads % world:
+        raise ValueError(f"{name} has {heads} heads, which {world} tensor-parallel ranks cannot share without "
+                         f"splitting a head: use a number of ranks that divides {heads}")
+    per = heads // world
+    return range(rank * per, (rank + 1) * per)
+
+
 def prefill_density(model: nn.Module) -> float | None:
     """Mean density of the last prefill over the layers that recorded one (None if none did).
 
-    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out.
+    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out. Under tensor
+    parallelism it is over this rank's heads (`local_heads`).
     """
     densities = [s.density for m in attention_modules(model)
                  if (s := getattr(m, STATE_ATTR, None)) is not None and s.density is not None]
@@ -374,9 +441,11 @@ def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: 
 
 
 def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:
-    """Keep the prefill's ``plans`` (None: a row run densely) for `LayerState.density`, except while compiling."""
+    """Keep the prefill's densities and (``state.keep_plans``) ``plans`` (None: a row run densely) on ``state``,
+    except while compiling."""
     if not torch.compiler.is_compiling():
-        state.plans = plans
+        state.densities = [None if p is None else p.density_tensor() for p in plans]
+        state.plans = plans if state.keep_plans else []
 
 
 register()

@@ -154,6 +154,10 @@ class SparsePlan:
     @property
     def density(self) -> float:
         """Computed blocks over causal blocks (1.0 for dense attention)."""
+        return float(self.density_tensor())
+
+    def density_tensor(self) -> torch.Tensor:
+        """`density` as a float32 0-d tensor on the plan's device (no wait on the device)."""
         causal = causal_blocks(self.seq_len, self.block_size, self.blocks.device)
         total = causal.sum() * self.blocks.shape[0] * self.blocks.shape[1]
-        return float(self.blocks.sum() / total) if total > 0 else 1.0
+        return torch.where(total > 0, self.blocks.sum() / total.clamp(min=1), 1.0).float()

@@ -36,8 +36,11 @@ class EntropyConfig:
             ``coverage`` of the segment's observation mass: a spread-out row, i.e. a high-entropy one, gets more).
         coverage: share of the observation mass the ``"coverage"`` rule keeps, in ``(0, 1]``.
         fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
-        observation: ``"paper"`` (Alg. 2: max of two averaged softmaxes) or ``"critiprefill"`` (one softmax).
-        observation_scale: factor on representative logits (paper: 1.0, no 1/sqrt(D)).
+        observation: ``"paper"`` (Alg. 2: max of two averaged softmaxes), ``"critiprefill"`` (one softmax) or
+            ``"probe"`` (the true attention of ``probes`` strided queries per segment; design.md §1.2b).
+        observation_scale: factor on the observation's logits: the representatives' products for ``"paper"`` and
+            ``"critiprefill"`` (paper: 1.0, no 1/sqrt(D)); the attention's own ``q.k / sqrt(D)`` for ``"probe"``.
+        probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
         sink_blocks: leading key blocks every segment attends to.
         local_blocks: key blocks just before each segment that it always attends to.
         dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.
@@ -70,6 +73,7 @@ class EntropyConfig:
     coverage: float = 0.9
     observation: Literal["paper", "critiprefill"] = "paper"
     observation_scale: float = 1.0
+    probes: int = 16
     sink_blocks: int = 1
     local_blocks: int = 0
     dense_prefix: int = 4096
@@ -105,7 +109,10 @@ class EntropyConfig:
         check_choice(owner, "fluctuation", self.fluctuation, ("abs", "signed"))
         check_choice(owner, "budget_rule", self.budget_rule, ("fluctuation", "coverage"))
         check_number(owner, "coverage", self.coverage, 0, 1, open_low=True)
-        check_choice(owner, "observation", self.observation, ("paper", "critiprefill"))
+        check_choice(owner, "observation", self.observation, ("paper", "critiprefill", "probe"))
+        check_int(owner, "probes", self.probes, 1)
+        if self.segment_size % self.probes:
+            raise ValueError(f"EntropyConfig.probes must divide segment_size={self.segment_size}, got {self.probes}")
         check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
         check_choice(owner, "backend", self.backend, BACKENDS)
         if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):

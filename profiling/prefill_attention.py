@@ -70,14 +70,14 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
 
     # Stages of the sparse path, each timed eagerly on its own (inputs from the previous stage); the library runs
     # them as one compiled graph on CUDA (`select_compiled_ms`), the BlockMask indices inside the kernel's graph.
-    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale)
+    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale, cfg.probes)
     entropy = segment_entropy(a_obs)
     budgets = allocate_budgets(entropy, cfg)
     blocks = block_table(a_obs, budgets, cfg, n)
     plan = SparsePlan(blocks, n, cfg.block_size)
     stages = {
         "observation_ms": lambda: _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation,
-                                               cfg.observation_scale),
+                                               cfg.observation_scale, cfg.probes),
         "entropy_ms": lambda: segment_entropy(a_obs),
         "budgets_ms": lambda: allocate_budgets(entropy, cfg),
         "block_table_ms": lambda: block_table(a_obs, budgets, cfg, n),

@@ -92,7 +92,8 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
     if name == "critiprefill":
         observation = knobs.get("observation", "critiprefill")
         a_obs = ref_prefill.observation_attention(q, k, config.segment_size, config.block_size,
-                                                  observation=observation, scale=config.observation_scale)
+                                                  observation=observation, scale=config.observation_scale,
+                                                  probes=config.probes)
         return _segment_rows(q, config, a_obs, math.floor(config.base_budget / config.block_size),
                              config.local_blocks)
     if name == "streaming":

@@ -86,6 +86,7 @@ def observation_attention(
     *,
     observation: str = "paper",
     scale: float = 1.0,
+    probes: int = 16,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Observation attention ``A_obs`` ``[B, Hq, C_S, C_B]`` (paper Alg. 2, design.md §1.2), computed in ``dtype``.
@@ -99,11 +100,15 @@ def observation_attention(
     ``A_obs = max((softmax(S1) + softmax(S2)) / 2, (softmax(S3) + softmax(S4)) / 2)``, not renormalised.
     ``observation="critiprefill"``: ``A_obs = softmax(max((S1 + S3) / 2, (S2 + S4) / 2))`` over the candidates.
 
+    ``observation="probe"`` (design.md §1.2b): :func:`probe_observation`.
+
     Candidates of ``s`` are the key blocks with ``(j + 1) * block_size <= s * segment_size``; every other entry
     (in particular the whole row of segment 0) is exactly 0.
     """
+    if observation == "probe":
+        return probe_observation(q, k, segment_size, block_size, probes, scale, dtype)
     if observation not in ("paper", "critiprefill"):
-        raise ValueError(f"observation must be 'paper' or 'critiprefill', got {observation!r}")
+        raise ValueError(f"observation must be 'paper', 'critiprefill' or 'probe', got {observation!r}")
     group = _check_qk(q, k)
     batch, q_heads, n, _ = q.shape
     num_segments = _ceil_div(n, segment_size)
@@ -135,6 +140,31 @@ def observation_attention(
                 else:
                     row = torch.softmax(torch.maximum((s1 + s3) / 2, (s2 + s4) / 2), dim=-1)
                 a_obs[b, h, s, idx] = row
+    return a_obs
+
+
+def probe_observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
+                      scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The ``"probe"`` observation ``[B, Hq, C_S, C_B]`` (design.md §1.2b), computed in ``dtype``.
+
+    Segment ``s`` has the probe queries ``i_p = min(s L_S + (p + 1) L_S / probes - 1, N - 1)``, ``p < probes``. Each
+    probe's attention is the softmax of ``scale * q[i_p].k[t] / sqrt(D)`` over the keys ``t <= i_p``; ``A[s, j]`` is
+    the mean over the probes of the probability mass on key block ``j``, for candidate blocks ``j``; 0 elsewhere.
+    """
+    group = _check_qk(q, k)
+    batch, q_heads, n, dim = q.shape
+    num_segments, num_blocks = _ceil_div(n, segment_size), _ceil_div(n, block_size)
+    a_obs = torch.zeros(batch, q_heads, num_segments, num_blocks, dtype=dtype, device=q.device)
+    for b in range(batch):
+        for h in range(q_heads):
+            keys = k[b, h // group].to(dtype)
+            for s in range(num_segments):
+                cand = candidate_blocks(s, segment_size, block_size, num_blocks)
+                for p in range(probes):
+                    i = min(s * segment_size + (p + 1) * (segment_size // probes) - 1, n - 1)
+                    weights = torch.softmax(keys[: i + 1] @ q[b, h, i].to(dtype) * scale / math.sqrt(dim), dim=-1)
+                    for j in cand:
+                        a_obs[b, h, s, j] += weights[j * block_size:(j + 1) * block_size].sum() / probes
     return a_obs
 
 
@@ -223,7 +253,9 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     For segment ``s`` of head ``h``: the candidates (:func:`candidate_blocks`) split into forced ones (the first
     ``sink_blocks`` and the ``local_blocks`` before the segment) and the rest; the rest, best ``A_obs`` first (ties
     to the lower index), are taken one by one while the mass taken so far, forced blocks included, is below
-    ``coverage`` times the row's total (all of them when ``coverage == 1``). ``B[s]`` is ``L_B`` times their number,
+    ``coverage`` times the row's total (all of them when ``coverage == 1``). A ``"probe"`` row is part of the probes'
+    whole attention (mass 1): the rest of it, on the segment's own keys, counts as taken and the target is
+    ``coverage``. ``B[s]`` is ``L_B`` times their number,
     clamped to ``[B_0, max_budget_factor * B_0]``.
     """
     batch, heads, num_segments, num_blocks = a_obs.shape
@@ -239,10 +271,11 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
                           if j < config.sink_blocks or first_block - config.local_blocks <= j < first_block]
                 rest = sorted((j for j in cand if j not in forced), key=lambda j: (-a_obs[b, h, s, j].item(), j))
                 row = a_obs[b, h, s].double()
-                taken = sum(row[j].item() for j in forced)
+                total = 1.0 if config.observation == "probe" else row.sum().item()
+                taken = sum(row[j].item() for j in forced) + total - row.sum().item()
                 count = 0
                 for j in rest:
-                    if config.coverage < 1 and taken >= config.coverage * row.sum().item():
+                    if config.coverage < 1 and taken >= config.coverage * total:
                         break
                     taken += row[j].item()
                     count += 1
@@ -344,8 +377,9 @@ def select_blocks(
         return ReferencePlan(causal_blocks, blocks_to_dense_mask(causal_blocks, n, blk_size), None, None, None, 1.0)
 
     a_obs = observation_attention(q, k, seg_size, blk_size, observation=config.observation,
-                                  scale=config.observation_scale, dtype=dtype)
-    entropy = segment_entropy(a_obs, dtype=dtype)
+                                  scale=config.observation_scale, probes=config.probes, dtype=dtype)
+    normalised = a_obs / a_obs.sum(dim=-1, keepdim=True).clamp_min(1e-30) if config.observation == "probe" else a_obs
+    entropy = segment_entropy(normalised, dtype=dtype)
     coverage = config.budget_rule == "coverage"
     budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
 

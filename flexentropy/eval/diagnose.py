@@ -114,7 +114,8 @@ class HybridEdit:
         if self.sparse_row is not None:
             row = slice(self.sparse_row, self.sparse_row + 1)
             a_obs = observation_attention(query[row], key[row], self.config.segment_size, self.config.block_size,
-                                          observation=self.config.observation, scale=self.config.observation_scale)
+                                          observation=self.config.observation, scale=self.config.observation_scale,
+                                          probes=self.config.probes)
             budgets = None if plan.budgets is None else plan.budgets[self.sparse_row]
             self.needle[layer_idx] = needle_selection(plan.blocks[self.sparse_row], a_obs[0], budgets, self.layout,
                                                       self.config)

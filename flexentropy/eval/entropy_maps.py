@@ -34,8 +34,9 @@ def entropy_profile(layers: list[LayerQKV], config: EntropyConfig) -> torch.Tens
     rows = []
     for layer in layers:
         a_obs = observation_attention(layer.q, layer.k, config.segment_size, config.block_size,
-                                      observation=config.observation, scale=config.observation_scale)
-        rows.append(segment_entropy(a_obs)[0])
+                                      observation=config.observation, scale=config.observation_scale,
+                                      probes=config.probes)
+        rows.append(segment_entropy(a_obs, normalise=config.observation == "probe")[0])
     return torch.stack(rows)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def segment_entropy(a_obs: torch.Tensor) -> torch.Tensor:
+def segment_entropy(a_obs: torch.Tensor, *, normalise: bool = False) -> torch.Tensor:
     """Shannon entropy (nats) of each segment's observation-attention row, ``0 * ln 0 = 0``.
 
     Args:
         a_obs: ``[B, Hq, C_S, C_B]`` from `observation_attention`.
+        normalise: divide each row by its sum first (a ``"probe"`` row is mass, not a distribution).
 
     Returns:
         float32 ``[B, Hq, C_S]``: ``e[h, s] = -sum_j a[h, s, j] ln a[h, s, j]``.
@@ -18,6 +19,8 @@ def segment_entropy(a_obs: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"a_obs must be a 4-D tensor [B, Hq, C_S, C_B], got "
                          f"{tuple(a_obs.shape) if isinstance(a_obs, torch.Tensor) else type(a_obs).__name__}")
     a = a_obs.float()
+    if normalise:
+        a = a / a.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     return -torch.special.xlogy(a, a).sum(dim=-1)
 
 

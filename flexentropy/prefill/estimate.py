@@ -56,3 +56,57 @@ def block_means(x: torch.Tensor, size: int) -> torch.Tensor:
                      s=size).sum(dim=-2)
     counts = torch.clamp(n - torch.arange(sums.shape[-2], device=x.device) * size, max=size)
     return sums / counts[:, None].to(sums.dtype)
+
+
+PROBE_CHUNK_SCORES = 2**27
+"""Most probe scores alive at once (0.5 GiB in float32): probe rows are scored in chunks."""
+
+
+def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None
+                    ) -> torch.Tensor:
+    """The probe queries of every segment: ``probes`` evenly strided positions, each the last of its stride
+    (``s L_S + (i + 1) L_S / probes - 1``), clamped to the last token. int64 ``[C_S, probes]``."""
+    stride = segment_size // probes
+    s = torch.arange(-(-seq_len // segment_size), device=device)
+    i = torch.arange(probes, device=device)
+    return torch.clamp(s[:, None] * segment_size + (i[None, :] + 1) * stride - 1, max=seq_len - 1)
+
+
+def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
+                     scale: float = 1.0) -> torch.Tensor:
+    """Mean causal attention mass of each segment's probe queries (`probe_positions`) on each key block.
+
+    A probe's attention is the layer's own softmax over every key up to it, logits ``scale * q.k / sqrt(D)``
+    (``scale = 1``: the model's attention); its mass is summed per key block and averaged over the segment's probes.
+    Rows are not renormalised: a row sums to 1 over all blocks up to the segment's last probe (own segment included).
+
+    Probe rows are scored in chunks, each against the keys up to its last probe: at most `PROBE_CHUNK_SCORES` scores
+    live at once (no ``N x N`` tensor). Compute ``~N^2 D probes / (2 L_S)`` multiply-adds per head (``probes / L_S``
+    of dense ``QK^T``, half of it masked). Logits in the input dtype (16-bit on GPU, as XAttention's estimate),
+    softmax and sums in `compute_dtype`.
+
+    Args:
+        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
+
+    Returns:
+        ``[B, Hq, C_S, C_B]`` in `compute_dtype`.
+    """
+    batch, q_heads, n, dim = q.shape
+    group = q_heads // k.shape[1]
+    dtype = compute_dtype(q.dtype)
+    positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
+    rows = rearrange(q[:, :, positions], "b (h g) r d -> b h g r d", g=group)
+    num_blocks = -(-n // block_size)
+    per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * n) // probes * probes)
+    masses = []
+    for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
+        stop = min(start + per_chunk, positions.shape[0])
+        keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
+        logits = torch.einsum("bhgrd,bhjd->bhgrj", rows[..., start:stop, :], k[..., :keys_seen, :])
+        logits = logits.to(dtype) * (scale / math.sqrt(dim))
+        causal = torch.arange(keys_seen, device=q.device)[None, :] <= positions[start:stop, None]
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        mass = block_sums(probs, block_size)
+        masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
+    mass = rearrange(torch.cat(masses, dim=-2), "b h g (s p) c -> b (h g) s p c", p=probes)
+    return mass.mean(dim=-2)

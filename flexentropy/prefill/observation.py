@@ -7,9 +7,10 @@ from einops import rearrange
 
 from flexentropy._checks import check_qk, is_int
 from flexentropy.config import Q_BLOCK_SIZE
+from flexentropy.prefill.estimate import probe_block_mass
 from flexentropy.prefill.representatives import chunk_extrema
 
-OBSERVATIONS = ("paper", "critiprefill")
+OBSERVATIONS = ("paper", "critiprefill", "probe")
 
 
 def candidate_blocks(num_segments: int, num_blocks: int, segment_size: int, block_size: int,
@@ -31,7 +32,7 @@ def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
 
 
 def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, *,
-                          observation: str = "paper", scale: float = 1.0) -> torch.Tensor:
+                          observation: str = "paper", scale: float = 1.0, probes: int = 16) -> torch.Tensor:
     """Block-level attention of each segment over the key blocks before it.
 
     Representatives (Alg. 1): ``Qmax/Qmin`` per segment and query head, ``Kmax/Kmin`` per key block and KV
@@ -42,9 +43,15 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
 
     Every softmax runs over the candidate blocks of the segment (`candidate_blocks`), in float32.
 
+    * ``"probe"`` (not in the paper; design.md §1.2b): the true attention of ``probes`` strided queries of the
+      segment (`flexentropy.prefill.estimate.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
+      candidate block averaged over the probes. A row is *not* a distribution over the candidates: it sums to the
+      probes' mass outside their own segment, the rest being on the segment's own (always computed) keys.
+
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0``.
         segment_size: L_S, tokens per query segment. block_size: L_B, tokens per key block.
+        probes: probe queries per segment (``"probe"``), a divisor of ``segment_size``.
 
     Returns:
         float32 ``[B, Hq, C_S, C_B]``; non-candidates (and all of segment 0) exactly 0.
@@ -60,11 +67,17 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
                          f"and of {Q_BLOCK_SIZE}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    return _observation(q, k, segment_size, block_size, observation, scale)
+    if observation == "probe" and (not is_int(probes) or probes <= 0 or segment_size % probes):
+        raise ValueError(f"probes must be a positive divisor of segment_size ({segment_size}), got {probes!r}")
+    return _observation(q, k, segment_size, block_size, observation, scale, probes)
 
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,
-                 scale: float) -> torch.Tensor:
+                 scale: float, probes: int = 16) -> torch.Tensor:
+    if observation == "probe":
+        mass = probe_block_mass(q, k, segment_size, block_size, probes, scale).float()
+        allowed = candidate_blocks(mass.shape[-2], mass.shape[-1], segment_size, block_size, q.device)
+        return mass * allowed
     group = q.shape[1] // k.shape[1]
     qmax, qmin = chunk_extrema(q, segment_size)                     # [B, Hq, C_S, D]
     kmax, kmin = chunk_extrema(k, block_size)                       # [B, Hkv, C_B, D]

@@ -66,10 +66,13 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) ->
     return rank < k[..., None]
 
 
-def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float) -> torch.Tensor:
+def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float,
+               total: float | None = None) -> torch.Tensor:
     """The smallest set of ``free`` entries of each row that, added to the ``forced`` ones, holds at least
     ``fraction`` of the row's mass: free entries best first (ties to the lower index) until the kept mass reaches
     ``fraction * sum(row)`` (FlexPrefill's and XAttention's "cumulative attention reaches gamma / threshold").
+    With ``total``, the row is part of a whole of that mass whose rest (``total - sum(row)``) is kept anyway: the
+    kept mass, that rest included, must reach ``fraction * total``.
 
     ``fraction >= 1`` keeps every free entry (exactly, whatever the rounding of the sums).
 
@@ -87,7 +90,9 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
     if fraction >= 1:
         count = free.sum(dim=-1)
     else:
-        need = fraction * scores.sum(dim=-1) - (scores * forced).sum(dim=-1)
+        row = scores.sum(dim=-1)
+        whole = row if total is None else torch.full_like(row, total)
+        need = fraction * whole - (whole - row) - (scores * forced).sum(dim=-1)
         mass = ordered.clamp_min(0)
         before = torch.cumsum(mass, dim=-1) - mass                  # mass of the better free entries
         count = ((before < need[..., None]) & (ordered >= 0)).sum(dim=-1)
@@ -140,7 +145,8 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
         float32 ``[B, Hq, C_S]`` budgets in tokens.
     """
     free, forced = _free_and_forced(a_obs, config)
-    count = mass_cover(a_obs, free, forced, config.coverage).sum(dim=-1)
+    total = 1.0 if config.observation == "probe" else None     # a probe row's rest is on the segment's own keys
+    count = mass_cover(a_obs, free, forced, config.coverage, total).sum(dim=-1)
     b0 = float(config.base_budget)
     return (count * config.block_size).float().clamp(b0, config.max_budget_factor * b0)
 
@@ -167,18 +173,29 @@ def dense_plan(q: torch.Tensor, config: EntropyConfig) -> SparsePlan:
     return SparsePlan(blocks, n, config.block_size, dense=True)
 
 
-def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
-                  config: EntropyConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(blocks, budgets, entropy, rigid)`` of a sparse layer: Alg. 1-3 and the top-k, as one graph."""
-    a_obs = _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale)
-    entropy = segment_entropy(a_obs)
+def _select(a_obs: torch.Tensor, config: EntropyConfig,
+            seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks, budgets, entropy, rigid)`` from a layer's observation: entropy, budgets and the top-k."""
+    entropy = segment_entropy(a_obs, normalise=config.observation == "probe")
     coverage = config.budget_rule == "coverage"
     budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
-    blocks = block_table(a_obs, budgets, config, q.shape[-2])
+    blocks = block_table(a_obs, budgets, config, seq_len)
     return blocks, budgets, entropy, rigid_heads(entropy, config.entropy_threshold)
 
 
+def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+    return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,
+                        config.probes)
+
+
+def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
+                  config: EntropyConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks, budgets, entropy, rigid)`` of a sparse layer: Alg. 1-3 and the top-k, as one graph."""
+    return _select(_observe(q, k, config), config, q.shape[-2])
+
+
 _compiled_plan_tensors = torch.compile(_plan_tensors, dynamic=True, fullgraph=True)
+_compiled_select = torch.compile(_select, dynamic=True, fullgraph=True)
 _compile_failed: list[str] = []
 """Set when the compiled selection failed to build here: later calls run the (identical) eager selection."""
 
@@ -189,6 +206,8 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
         return _plan_tensors(q, k, config)
     try:
         with no_silent_fallback():
+            if config.observation == "probe":     # its loop over chunks of probe rows runs eagerly (big matmuls)
+                return _compiled_select(_observe(q, k, config), config, q.shape[-2])
             return _compiled_plan_tensors(q, k, config)
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._inductor.exc.InductorError) as err:

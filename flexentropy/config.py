@@ -30,14 +30,16 @@ class EntropyConfig:
         entropy_threshold: e_t; a head whose largest segment entropy is below it is rigid.
         budget_alpha: alpha, how strongly a dynamic head's budget follows entropy fluctuation.
         fluctuation_threshold: delta_t, the fluctuation rate at which the budget stays unchanged.
-        max_budget_factor: budgets are clamped to ``[B_0, max_budget_factor * B_0]``.
-        budget_rule: how a (head, segment) budget is set: ``"fluctuation"`` (paper Alg. 3: rigid heads B_0, dynamic
-            heads follow the entropy's fluctuation) or ``"coverage"`` (the fewest candidate blocks holding
-            ``coverage`` of the segment's observation mass: a spread-out row, i.e. a high-entropy one, gets more).
+        max_budget_factor: budgets are clamped to ``[B_0, max_budget_factor * B_0]`` (``"fluctuation"``).
+        budget_rule: how a (head, segment) budget is set: ``"coverage"`` (default: the fewest candidate blocks
+            holding ``coverage`` of the segment's observation mass, at least one; a spread-out row, i.e. a
+            high-entropy one, gets more; design.md §1.4b) or ``"fluctuation"`` (paper Alg. 3: rigid heads B_0,
+            dynamic heads follow the entropy's fluctuation; ``base_budget`` and the alpha/delta/factor knobs).
         coverage: share of the observation mass the ``"coverage"`` rule keeps, in ``(0, 1]``.
         fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
-        observation: ``"paper"`` (Alg. 2: max of two averaged softmaxes), ``"critiprefill"`` (one softmax) or
-            ``"probe"`` (the true attention of ``probes`` strided queries per segment; design.md §1.2b).
+        observation: ``"probe"`` (default: the true attention of ``probes`` strided queries per segment;
+            design.md §1.2b), ``"paper"`` (Alg. 2: max of two averaged softmaxes of representatives) or
+            ``"critiprefill"`` (one softmax).
         observation_scale: factor on the observation's logits: the representatives' products for ``"paper"`` and
             ``"critiprefill"`` (paper: 1.0, no 1/sqrt(D)); the attention's own ``q.k / sqrt(D)`` for ``"probe"``.
         probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
@@ -69,9 +71,9 @@ class EntropyConfig:
     fluctuation_threshold: float = 0.4
     max_budget_factor: float = 3.0
     fluctuation: Literal["abs", "signed"] = "abs"
-    budget_rule: Literal["fluctuation", "coverage"] = "fluctuation"
-    coverage: float = 0.9
-    observation: Literal["paper", "critiprefill"] = "paper"
+    budget_rule: Literal["fluctuation", "coverage"] = "coverage"
+    coverage: float = 0.8
+    observation: Literal["paper", "critiprefill", "probe"] = "probe"
     observation_scale: float = 1.0
     probes: int = 16
     sink_blocks: int = 1
@@ -130,6 +132,13 @@ class EntropyConfig:
         check_odd(owner, "decode_pool", self.decode_pool)
         if self.recompress_every is not None:
             check_int(owner, "recompress_every", self.recompress_every, 1)
+
+    @classmethod
+    def paper(cls, **changes: object) -> EntropyConfig:
+        """The seed paper's method (EntropyInfer, sec. 4.2): Alg. 2's observation of max/min representatives and
+        Alg. 3's fluctuation budgets from ``B_0 = base_budget``, every other knob as the defaults (or ``changes``).
+        docs/quality.md compares it with the default (probe observation, coverage budgets) on a real 32k model."""
+        return cls(**{"observation": "paper", "budget_rule": "fluctuation", **changes})
 
     def replace(self, **changes: object) -> EntropyConfig:
         """A copy with ``changes`` applied (and validated)."""

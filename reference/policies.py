@@ -77,7 +77,8 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
     ``streaming``, ``flexprefill``, ``xattention``, ``vertical_slash``) for one layer; dense layers
     (``config.dense_layers``, ``N <= dense_prefix``) get every causal block.
 
-    * ``entropy``: :func:`reference.prefill.select_blocks` (design.md §1).
+    * ``entropy``: :func:`reference.prefill.select_blocks` (design.md §1); ``entropy_paper``: the same with
+      ``observation="paper"`` and ``budget_rule="fluctuation"``.
     * ``critiprefill``: observation attention ``knobs["observation"]`` (default ``"critiprefill"``), then per
       segment the top ``floor(B_0 / L_B)`` non-forced candidates, the same for every head.
     * ``streaming``: the forced blocks only, with ``ceil(knobs["window"] / L_B)`` local blocks (default
@@ -89,6 +90,9 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
         return _causal_table(q, config.block_size)
     if name == "entropy":
         return ref_prefill.select_blocks(q, k, config, layer_idx).blocks
+    if name == "entropy_paper":
+        paper = config.replace(observation="paper", budget_rule="fluctuation")
+        return ref_prefill.select_blocks(q, k, paper, layer_idx).blocks
     if name == "critiprefill":
         observation = knobs.get("observation", "critiprefill")
         a_obs = ref_prefill.observation_attention(q, k, config.segment_size, config.block_size,

@@ -255,12 +255,10 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     to the lower index), are taken one by one while the mass taken so far, forced blocks included, is below
     ``coverage`` times the row's total (all of them when ``coverage == 1``). A ``"probe"`` row is part of the probes'
     whole attention (mass 1): the rest of it, on the segment's own keys, counts as taken and the target is
-    ``coverage``. ``B[s]`` is ``L_B`` times their number,
-    clamped to ``[B_0, max_budget_factor * B_0]``.
+    ``coverage``. ``B[s]`` is ``L_B`` times their number, at least ``L_B``.
     """
     batch, heads, num_segments, num_blocks = a_obs.shape
     seg_size, blk_size = config.segment_size, config.block_size
-    b0 = float(config.base_budget)
     budgets = torch.empty(batch, heads, num_segments, dtype=torch.float64, device=a_obs.device)
     for b in range(batch):
         for h in range(heads):
@@ -279,7 +277,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
                         break
                     taken += row[j].item()
                     count += 1
-                budgets[b, h, s] = min(max(count * blk_size, b0), config.max_budget_factor * b0)
+                budgets[b, h, s] = max(count, 1) * blk_size
     return budgets
 
 

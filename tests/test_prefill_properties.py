@@ -91,12 +91,10 @@ def _coverage_clear(scores: torch.Tensor, forced_mass: torch.Tensor, total: torc
                     tol: float) -> torch.Tensor:
     """Rows whose ``coverage`` budget is robust to float32 noise: wherever the mass needed is within ``tol`` of a
     cumulative mass of the free scores (sorted descending, ``scores [..., F]``), so that the count could be ``i`` or
-    ``i + 1``, both counts give the same clamped budget."""
+    ``i + 1``, both counts give the same budget."""
     need = cfg.coverage * total - forced_mass
     before = torch.cumsum(scores, dim=-1) - scores                       # before[i]: mass of the i best
-    count = torch.arange(scores.shape[-1], dtype=scores.dtype)
-    low, high = cfg.base_budget, cfg.max_budget_factor * cfg.base_budget
-    same = (count * cfg.block_size).clamp(low, high) == ((count + 1) * cfg.block_size).clamp(low, high)
+    same = torch.arange(scores.shape[-1]) == 0          # counts 0 and 1 both give one block
     return (cfg.coverage >= 1) | (((before - need[..., None]).abs() > tol) | same).all(dim=-1)
 
 

@@ -2,7 +2,7 @@
 
 Two registries map a name to a policy class (a frozen dataclass of validated knobs with defaults)::
 
-    PREFILL_POLICIES   dense, entropy, critiprefill, streaming, flexprefill, xattention, vertical_slash
+    PREFILL_POLICIES   dense, entropy, entropy_paper, critiprefill, streaming, flexprefill, xattention, vertical_slash
     CACHE_POLICIES     full, latent, snapkv, adakv, pyramidkv, streamingllm, h2o, infokv, bounded
 
 Prefill policies map a layer's ``q``/``k`` to a `SparsePlan` run by the same FlexAttention kernel; cache policies are
@@ -31,7 +31,7 @@ from flexentropy.policies.cache.streamingllm import StreamingLLM
 from flexentropy.policies.layer import LayerView
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
-from flexentropy.policies.prefill.entropy import EntropyPrefill
+from flexentropy.policies.prefill.entropy import EntropyPaperPrefill, EntropyPrefill
 from flexentropy.policies.prefill.flexprefill import FlexPrefill
 from flexentropy.policies.prefill.streaming import StreamingPrefill
 from flexentropy.policies.prefill.vertical_slash import VerticalSlash
@@ -40,6 +40,7 @@ from flexentropy.policies.prefill.xattention import XAttention
 PREFILL_POLICIES: dict[str, type[PrefillPolicy]] = {
     "dense": DensePrefill,
     "entropy": EntropyPrefill,
+    "entropy_paper": EntropyPaperPrefill,
     "critiprefill": CritiPrefill,
     "streaming": StreamingPrefill,
     "flexprefill": FlexPrefill,
@@ -113,6 +114,8 @@ __all__ = [
     "CachePolicy",
     "CritiPrefill",
     "DensePrefill",
+    "EntropyPaperPrefill",
+    "EntropyPaperPrefill",
     "EntropyPrefill",
     "FlexPrefill",
     "FullCache",

@@ -134,9 +134,10 @@ def _free_and_forced(a_obs: torch.Tensor, config: EntropyConfig) -> tuple[torch.
 def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
     """Token budget of every (batch, query head, segment) under ``budget_rule="coverage"`` (design.md §1.4b).
 
-    ``B[s] = L_B * |fewest free candidates holding config.coverage of row s's mass|`` (`mass_cover` of ``A_obs``,
-    the forced blocks' mass counting), clamped to ``[B_0, max_budget_factor * B_0]``. A row whose mass is spread
-    (high entropy) needs more blocks than a peaked one, so the budget follows each head's own spread.
+    ``B[s] = L_B * max(1, |fewest free candidates holding config.coverage of row s's mass|)`` (`mass_cover` of
+    ``A_obs``, the forced blocks' mass counting; for the ``"probe"`` observation the row is part of the probes' whole
+    attention, whose rest, on the segment's own keys, counts as kept). No ``B_0`` and no cap: a peaked row (low
+    entropy) gets one block, a spread one (high entropy) as many as its mass needs.
 
     Args:
         a_obs: ``[B, Hq, C_S, C_B]`` from `observation_attention`.
@@ -147,8 +148,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     free, forced = _free_and_forced(a_obs, config)
     total = 1.0 if config.observation == "probe" else None     # a probe row's rest is on the segment's own keys
     count = mass_cover(a_obs, free, forced, config.coverage, total).sum(dim=-1)
-    b0 = float(config.base_budget)
-    return (count * config.block_size).float().clamp(b0, config.max_budget_factor * b0)
+    return (count.clamp_min(1) * config.block_size).float()
 
 
 def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:

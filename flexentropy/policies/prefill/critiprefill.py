@@ -46,5 +46,6 @@ class CritiPrefill(PrefillPolicy):
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """`select_blocks` with every head rigid: budgets ``B_0`` everywhere (``plan.rigid`` all True)."""
-        config = self.config.replace(observation=self.observation, entropy_threshold=EVERY_HEAD_RIGID)
+        config = self.config.replace(observation=self.observation, budget_rule="fluctuation",
+                                     entropy_threshold=EVERY_HEAD_RIGID)
         return select_blocks(q, k, config, layer_idx)

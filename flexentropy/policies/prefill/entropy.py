@@ -13,7 +13,9 @@ from flexentropy.prefill.selection import select_blocks
 
 @dataclass(frozen=True)
 class EntropyPrefill(PrefillPolicy):
-    """Per-head, per-segment budgets from the entropy of the observation attention; every knob is in ``config``."""
+    """Per-head, per-segment budgets from the observation attention; every knob is in ``config`` (default: the probe
+    observation with coverage budgets, design.md §1.2b/§1.4b; `EntropyConfig.paper` or ``entropy_paper``: the
+    paper's Alg. 2-3)."""
 
     name = "entropy"
     paper = "EntropyInfer (From Rigid to Dynamic, 2026), sec. 4.2"
@@ -23,3 +25,16 @@ class EntropyPrefill(PrefillPolicy):
     def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
         """`select_blocks` (design.md §1.1-1.5)."""
         return select_blocks(q, k, self.config, layer_idx)
+
+
+@dataclass(frozen=True)
+class EntropyPaperPrefill(EntropyPrefill):
+    """The paper's method as published, whatever ``config`` says of the observation and the budget rule: Alg. 2's
+    representatives and Alg. 3's fluctuation budgets from ``base_budget`` (`EntropyConfig.paper`)."""
+
+    name = "entropy_paper"
+    keeps = "own segment, sink/local blocks, top-k blocks by Alg. 2's A_obs with k per (head, segment) from Alg. 3"
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
+        """`select_blocks` with ``observation="paper"`` and ``budget_rule="fluctuation"``."""
+        return select_blocks(q, k, self.config.replace(observation="paper", budget_rule="fluctuation"), layer_idx)

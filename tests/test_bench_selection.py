@@ -13,22 +13,32 @@ from flexentropy.prefill.budgets import allocate_budgets
 from flexentropy.prefill.entropy import segment_entropy
 from flexentropy.prefill.observation import _observation
 from flexentropy.prefill.plan import block_mask_tensors
-from flexentropy.prefill.selection import block_table
+from flexentropy.prefill.selection import block_table, coverage_budgets
 
 N, HQ, HKV, D = 16384, 8, 2, 64
 
 
-@pytest.fixture(scope="module")
-def inputs() -> dict:
+def _budgets(cfg: fe.EntropyConfig, a_obs: torch.Tensor) -> torch.Tensor:
+    if cfg.budget_rule == "coverage":
+        return coverage_budgets(a_obs, cfg)
+    return allocate_budgets(segment_entropy(a_obs, normalise=cfg.observation == "probe"), cfg)
+
+
+def _stages(cfg: fe.EntropyConfig, q: torch.Tensor, k: torch.Tensor) -> dict:
+    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale, cfg.probes)
+    entropy = segment_entropy(a_obs, normalise=cfg.observation == "probe")
+    budgets = _budgets(cfg, a_obs)
+    blocks = block_table(a_obs, budgets, cfg, N)
+    return {"q": q, "k": k, "cfg": cfg, "a_obs": a_obs, "entropy": entropy, "budgets": budgets, "blocks": blocks}
+
+
+@pytest.fixture(scope="module", params=["default", "paper"])
+def inputs(request: pytest.FixtureRequest) -> dict:
+    """The stages of the default rule (probe observation, coverage budgets) or of the paper's (Alg. 2-3)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, HQ, N, D, generator=gen, dtype=torch.bfloat16)
     k = torch.randn(1, HKV, N, D, generator=gen, dtype=torch.bfloat16)
-    cfg = fe.EntropyConfig()
-    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale)
-    entropy = segment_entropy(a_obs)
-    budgets = allocate_budgets(entropy, cfg)
-    blocks = block_table(a_obs, budgets, cfg, N)
-    return {"q": q, "k": k, "cfg": cfg, "a_obs": a_obs, "entropy": entropy, "budgets": budgets, "blocks": blocks}
+    return _stages(fe.EntropyConfig() if request.param == "default" else fe.EntropyConfig.paper(), q, k)
 
 
 def _bench(benchmark, fn, *args):
@@ -38,13 +48,15 @@ def _bench(benchmark, fn, *args):
 def test_bench_observation(benchmark, inputs: dict) -> None:
     cfg = inputs["cfg"]
     out = _bench(benchmark, _observation, inputs["q"], inputs["k"], cfg.segment_size, cfg.block_size,
-                 cfg.observation, cfg.observation_scale)
+                 cfg.observation, cfg.observation_scale, cfg.probes)
     assert out.shape == (1, HQ, N // cfg.segment_size, N // cfg.block_size)
 
 
 def test_bench_entropy_and_budgets(benchmark, inputs: dict) -> None:
-    out = _bench(benchmark, lambda a: allocate_budgets(segment_entropy(a), inputs["cfg"]), inputs["a_obs"])
-    assert (out >= inputs["cfg"].base_budget).all()
+    cfg = inputs["cfg"]
+    out = _bench(benchmark, _budgets, cfg, inputs["a_obs"])
+    assert torch.equal(out, inputs["budgets"])
+    assert (out >= (cfg.block_size if cfg.budget_rule == "coverage" else cfg.base_budget)).all()
 
 
 def test_bench_block_table(benchmark, inputs: dict) -> None:

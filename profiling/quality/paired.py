@@ -1,0 +1,38 @@
+"""Paired comparison of finished eval runs on the same samples: per sample, which of two runs scored higher.
+
+    python profiling/quality/paired.py RUNS_ROOT/model/task/length/q-outside  [baseline-folder]
+
+Prints, for every run folder against the baseline (default ``dense__full``): samples in common, mean scores, how
+many samples each got better, and the per-layer mean prefill density of the run (from its predictions).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def scores(folder: Path) -> dict[int, dict]:
+    lines = (folder / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    return {record["index"]: record for record in map(json.loads, lines)}
+
+
+def main(root: Path, baseline: str = "dense__full") -> None:
+    base = scores(root / baseline)
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != baseline):
+        run = scores(folder)
+        common = sorted(set(run) & set(base))
+        better = sum(run[i]["score"] > base[i]["score"] for i in common)
+        worse = sum(run[i]["score"] < base[i]["score"] for i in common)
+        layers = [r["layer_density"] for r in run.values() if r.get("layer_density")]
+        per_layer = [statistics.fmean(x for x in col if x is not None) for col in zip(*layers)] if layers else []
+        print(f"{folder.name}\n  n={len(common)} score {statistics.fmean(run[i]['score'] for i in common):.3f} vs "
+              f"{statistics.fmean(base[i]['score'] for i in common):.3f}; better on {better}, worse on {worse}")
+        if per_layer:
+            print("  layer density " + " ".join(f"{d:.2f}" for d in per_layer))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), *sys.argv[2:])

@@ -21,7 +21,8 @@ from flexentropy import EntropyConfig
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.integrations import hf
 
-COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, coverage=1.0, dense_prefix=128,
+                         decode_budget=4096)
 """Budgets that cover every key block (prefill) and every token (decode): flexentropy computes dense attention."""
 SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
                       decode_window=16, decode_delay=4)

@@ -562,10 +562,11 @@ def test_diagnose_localises_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monk
 
     monkeypatch.setattr(cli, "load_model", lambda *args: loaded)
     argv = ["diagnose", "--task", "niah_multikey", "--lengths", "1500", "--samples", "1", "--budgets", "64",
+            "--prefill", "entropy_paper",
             "--segment-size", "128", "--block-size", "64", "--dense-prefix", "256", "--max-new-tokens", "3",
             "--out", str(tmp_path)]
     assert cli.main(argv) == 0
-    data = json.loads((tmp_path / "smollm2" / "niah_multikey_1500_dp256_entropy-b64.json").read_text())
+    data = json.loads((tmp_path / "smollm2" / "niah_multikey_1500_dp256_entropy_paper-b64.json").read_text())
     record, summary = data["samples"][0], data["summary"]
     assert data["meta"]["variants"] == ["none", "all", "question", "after_needle", "all@:1", "all@1:", "all@:0",
                                         "all@2:"]

@@ -51,7 +51,8 @@ ARCHS = {
         **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
 }
-COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, coverage=1.0, dense_prefix=128,
+                         decode_budget=4096)
 SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
                       decode_window=16, decode_delay=4)
 

@@ -17,7 +17,8 @@ from flexentropy.modules import EntropyAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tiny_lm.py"
 DENSE = EntropyConfig(dense_prefix=1 << 20, decode_budget=4096)
-COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, dense_prefix=128, decode_budget=4096)
+COVERING = EntropyConfig(segment_size=128, block_size=64, base_budget=4096, coverage=1.0, dense_prefix=128,
+                         decode_budget=4096)
 SMALL = EntropyConfig(segment_size=128, block_size=64, base_budget=64, dense_prefix=128, decode_budget=160,
                       decode_window=16, decode_delay=4)
 

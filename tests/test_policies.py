@@ -56,8 +56,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registries_hold_every_policy_of_spec_3():
-    assert list(PREFILL_POLICIES) == ["dense", "entropy", "critiprefill", "streaming", "flexprefill", "xattention",
-                                     "vertical_slash"]
+    assert list(PREFILL_POLICIES) == ["dense", "entropy", "entropy_paper", "critiprefill", "streaming", "flexprefill",
+                                     "xattention", "vertical_slash"]
     assert list(CACHE_POLICIES) == ["full", "latent", "snapkv", "adakv", "pyramidkv", "streamingllm", "h2o", "infokv",
                                     "bounded"]
     for name, cls in PREFILL_POLICIES.items():

@@ -83,7 +83,7 @@ def _one_hot_head(n: int, c: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_rigid_head_when_every_query_attends_one_block():
     n = 512
-    cfg = EntropyConfig(segment_size=128, block_size=64, base_budget=256, dense_prefix=0, dense_layers=(),
+    cfg = EntropyConfig.paper(segment_size=128, block_size=64, base_budget=256, dense_prefix=0, dense_layers=(),
                         dense_last_segment=False)
     q0, k0 = _one_hot_head(n, 30.0)  # logits 900 vs 0: exp(-900) underflows, A_obs is exactly one-hot
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def test_budgets_hand_made_entropy_hit_clamps():
 
 @pytest.mark.parametrize("n", [512, 450])
 def test_dense_mask_is_causal_when_budget_covers_everything(n):
-    cfg = EntropyConfig(segment_size=128, block_size=64, base_budget=1e6, dense_prefix=0,
+    cfg = EntropyConfig.paper(segment_size=128, block_size=64, base_budget=1e6, dense_prefix=0,
                         dense_last_segment=False, dense_layers=())
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, n, 8, generator=gen)
@@ -151,7 +151,7 @@ def test_dense_layer_and_short_prompt():
 def test_select_blocks_top_k_ties_sinks_and_dense_rows():
     """A_obs points every query at key block 3; budget one block; sinks off."""
     n = 640
-    cfg = EntropyConfig(segment_size=128, block_size=64, base_budget=64, sink_blocks=0, dense_prefix=0,
+    cfg = EntropyConfig.paper(segment_size=128, block_size=64, base_budget=64, sink_blocks=0, dense_prefix=0,
                         dense_last_segment=False, dense_layers=())
     q = torch.zeros(1, 1, n, 2)
     q[..., 0] = 10.0
@@ -176,7 +176,7 @@ def test_select_blocks_top_k_ties_sinks_and_dense_rows():
 
 def test_select_blocks_own_segment_is_causal_within_query_blocks():
     n = 512
-    cfg = EntropyConfig(segment_size=256, block_size=64, base_budget=64, sink_blocks=0, dense_prefix=0,
+    cfg = EntropyConfig.paper(segment_size=256, block_size=64, base_budget=64, sink_blocks=0, dense_prefix=0,
                         dense_last_segment=False, dense_layers=())
     q, k = torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4)
     plan = select_blocks(q, k, cfg)

@@ -58,8 +58,8 @@ def block_means(x: torch.Tensor, size: int) -> torch.Tensor:
     return sums / counts[:, None].to(sums.dtype)
 
 
-PROBE_CHUNK_SCORES = 2**27
-"""Most probe scores alive at once (0.5 GiB in float32): probe rows are scored in chunks."""
+PROBE_CHUNK_SCORES = 2**26
+"""Most probe scores alive at once (256 MiB in float32): probe rows are scored in chunks."""
 
 
 def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None
@@ -105,7 +105,8 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
         logits = torch.einsum("bhgrd,bhjd->bhgrj", rows[..., start:stop, :], k[..., :keys_seen, :])
         logits = logits.to(dtype) * (scale / math.sqrt(dim))
         causal = torch.arange(keys_seen, device=q.device)[None, :] <= positions[start:stop, None]
-        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), dim=-1)
+        del logits
         mass = block_sums(probs, block_size)
         masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
     mass = rearrange(torch.cat(masses, dim=-2), "b h g (s p) c -> b (h g) s p c", p=probes)

@@ -27,7 +27,7 @@ def main(root: Path, baseline: str = "dense__full") -> None:
         better = sum(run[i]["score"] > base[i]["score"] for i in common)
         worse = sum(run[i]["score"] < base[i]["score"] for i in common)
         layers = [r["layer_density"] for r in run.values() if r.get("layer_density")]
-        per_layer = [statistics.fmean(x for x in col if x is not None) for col in zip(*layers)] if layers else []
+        per_layer = [statistics.fmean(x for x in col if x is not None) for col in zip(*layers, strict=True)]
         print(f"{folder.name}\n  n={len(common)} score {statistics.fmean(run[i]['score'] for i in common):.3f} vs "
               f"{statistics.fmean(base[i]['score'] for i in common):.3f}; better on {better}, worse on {worse}")
         if per_layer:

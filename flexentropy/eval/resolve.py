@@ -4,9 +4,10 @@
 A policy spec is ``name`` or ``name:knob=value,knob=value`` (e.g. ``latent:delay=4``); values are read as JSON where
 they parse (``4``, ``0.5``, ``true``, ``null``) and as strings otherwise. Prefill knobs that are `EntropyConfig`
 fields (``entropy:observation=critiprefill``) go to the shared config. The budget of a run is a separate axis: the
-prefill budget ``B_0`` (key tokens per segment) is ``EntropyConfig.base_budget`` (the top-k of ``entropy`` and
-``critiprefill``, the local window of ``streaming``, the least tokens of columns and of diagonals ``min_budget`` of
-``flexprefill``, whose ``gamma`` then adds what the input needs); the cache budget ``B_d`` (entries per KV head) is
+prefill budget ``B_0`` (key tokens per segment) is ``EntropyConfig.base_budget`` (the top-k of ``entropy_paper``
+and ``critiprefill``; ``entropy`` at its default coverage rule does not read it: sweep ``entropy:coverage=C``),
+the local window of ``streaming``, the least tokens of columns and of diagonals ``min_budget`` of ``flexprefill``,
+whose ``gamma`` then adds what the input needs); the cache budget ``B_d`` (entries per KV head) is
 the cache policy's ``budget``. ``xattention`` (a mass threshold) and ``vertical_slash`` (fixed counts of columns and
 diagonals) have no budget axis: they run once, at their knobs.
 """

@@ -1,0 +1,64 @@
+"""docs/results/qwen_h200_rules/rules.png: score against measured density per prefill rule, one panel per task, from
+the study's ``runs.csv`` (the eval report's own plot groups runs by policy name only, so it cannot tell the coverage
+variants of ``entropy`` apart).
+
+    python profiling/quality/plot_rules.py docs/results/qwen_h200_rules
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+from flexentropy.eval.resolve import parse_spec  # noqa: E402
+
+
+def label(row: dict[str, str]) -> str:
+    """A short name of a run's prefill rule."""
+    spec = row["prefill"]
+    name, knobs = parse_spec(spec)
+    if name == "entropy" and "coverage" in knobs:
+        return f"probe, coverage {knobs['coverage']}"
+    if spec == "entropy":
+        return f"paper's rule, B_0 {row['prefill_budget']}"
+    return spec
+
+
+def main(study: Path) -> None:
+    rows = list(csv.DictReader((study / "runs.csv").open(encoding="utf-8")))
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    colors: dict[str, str] = {}                 # one colour per rule across the panels
+    sparse = [float(r["density"]) for r in rows if r["prefill"] != "dense"]
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for row in (r for r in rows if r["task"] == task):
+            score, low, high = (float(row[k]) for k in ("score", "score_low", "score_high"))
+            if row["prefill"] == "dense":
+                ax.axhspan(low, high, color="k", alpha=0.08)
+                ax.axhline(score, color="k", ls="--", lw=1, label=f"dense (n={row['samples']}), 95% band")
+                continue
+            err = [[max(score - low, 0)], [max(high - score, 0)]]
+            color = colors.setdefault(label(row), f"C{len(colors)}")
+            ax.errorbar(float(row["density"]), score, yerr=err, marker="o", capsize=3, color=color,
+                        label=f"{label(row)} (n={row['samples']})")
+        ax.set_title(f"{task}, {rows[0]['length']} tokens")
+        ax.set_xlabel("measured prefill density (computed / causal key blocks)")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlim(min(sparse) - 0.02, max(sparse) + 0.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0, 0].set_ylabel("score (95% Wilson interval)")
+    fig.suptitle("Qwen2.5-Coder-1.5B at 32k: prefill rules (H200, segments 512, blocks 128, dense prefix 4096)")
+    fig.tight_layout()
+    fig.savefig(study / "rules.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -19,8 +19,34 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def positions_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, *, scale: float = 1.0,
+                        input_dtype_logits: bool = False) -> torch.Tensor:
+    """Causal softmax attention (logits ``q.k / (sqrt(D) / scale)``) of the queries at ``positions`` over the keys
+    ``k`` (key ``j`` at position ``j``).
+
+    Args:
+        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, M, D]`` (the first ``M`` keys), query head ``h`` reads KV head
+            ``h // (Hq // Hkv)``. positions: int64 ``[R]``, each below ``N``.
+        input_dtype_logits: take the logits in the input dtype (16-bit on GPU) and only then cast; else in
+            `compute_dtype` throughout.
+
+    Returns:
+        ``[B, Hq, R, M]`` in `compute_dtype`; keys after a query's position are 0. Memory ``O(B * Hq * R * M)``.
+    """
+    dtype = compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=group)
+    if not input_dtype_logits:
+        rows, k = rows.to(dtype), k.to(dtype)
+    logits = torch.einsum("bhgid,bhjd->bhgij", rows, k).to(dtype) / (math.sqrt(q.shape[-1]) / scale)
+    causal = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions[:, None]
+    probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), dim=-1)
+    return rearrange(probs, "b h g i j -> b (h g) i j")
+
+
 def last_queries_attention(q: torch.Tensor, k: torch.Tensor, count: int) -> torch.Tensor:
-    """Causal softmax attention (scale ``1/sqrt(D)``) of the last ``count`` queries over every key.
+    """Causal softmax attention (scale ``1/sqrt(D)``) of the last ``count`` queries over every key
+    (`positions_attention`).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``.
@@ -30,14 +56,8 @@ def last_queries_attention(q: torch.Tensor, k: torch.Tensor, count: int) -> torc
         ``[B, Hq, count, N]`` in `compute_dtype`: row ``i`` is query ``N - count + i``; keys after it are 0.
         Memory ``O(B * Hq * count * N)``.
     """
-    n, dtype = q.shape[-2], compute_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
-    last = rearrange(q[..., n - count:, :].to(dtype), "b (h g) i d -> b h g i d", g=group)
-    logits = torch.einsum("bhgid,bhjd->bhgij", last, k.to(dtype)) / math.sqrt(q.shape[-1])
-    position = torch.arange(n - count, n, device=q.device)
-    causal = torch.arange(n, device=q.device)[None, :] <= position[:, None]
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    return rearrange(probs, "b h g i j -> b (h g) i j")
+    n = q.shape[-2]
+    return positions_attention(q, k, torch.arange(n - count, n, device=q.device))
 
 
 def block_sums(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -91,23 +111,17 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     Returns:
         ``[B, Hq, C_S, C_B]`` in `compute_dtype`.
     """
-    batch, q_heads, n, dim = q.shape
-    group = q_heads // k.shape[1]
-    dtype = compute_dtype(q.dtype)
+    batch, q_heads, n, _ = q.shape
     positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
-    rows = rearrange(q[:, :, positions], "b (h g) r d -> b h g r d", g=group)
     num_blocks = -(-n // block_size)
     per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * n) // probes * probes)
     masses = []
     for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
         stop = min(start + per_chunk, positions.shape[0])
         keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
-        logits = torch.einsum("bhgrd,bhjd->bhgrj", rows[..., start:stop, :], k[..., :keys_seen, :])
-        logits = logits.to(dtype) * (scale / math.sqrt(dim))
-        causal = torch.arange(keys_seen, device=q.device)[None, :] <= positions[start:stop, None]
-        probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), dim=-1)
-        del logits
+        probs = positions_attention(q, k[..., :keys_seen, :], positions[start:stop], scale=scale,
+                                    input_dtype_logits=True)
         mass = block_sums(probs, block_size)
         masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
-    mass = rearrange(torch.cat(masses, dim=-2), "b h g (s p) c -> b (h g) s p c", p=probes)
+    mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
     return mass.mean(dim=-2)

@@ -115,7 +115,6 @@ __all__ = [
     "CritiPrefill",
     "DensePrefill",
     "EntropyPaperPrefill",
-    "EntropyPaperPrefill",
     "EntropyPrefill",
     "FlexPrefill",
     "FullCache",

@@ -28,6 +28,14 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def nan_entries(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-memory NaN keys and values ``[B, Hkv, count, D]`` shaped like ``keys``/``values`` (batch, heads, head
+    dims): what an ``update`` returns where no caller may read the entries (a reader that does fails loudly)."""
+    nan = float("nan")
+    return (keys.new_full((1, 1, 1, 1), nan).expand(*keys.shape[:2], count, keys.shape[-1]),
+            values.new_full((1, 1, 1, 1), nan).expand(*values.shape[:2], count, values.shape[-1]))
+
+
 class PolicyLayer(CacheLayerMixin):
     """One attention layer's state in a :class:`PolicyCache` (use the cache's methods, not this directly).
 
@@ -279,10 +287,7 @@ class PolicyLayer(CacheLayerMixin):
     def _readable(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ragged is None:
             return self.keys, self.values
-        shape = (*self.keys.shape[:2], self.stored)
-        nan = float("nan")
-        return (self.keys.new_full((1, 1, 1, 1), nan).expand(*shape, self.keys.shape[-1]),
-                self.values.new_full((1, 1, 1, 1), nan).expand(*shape, self.values.shape[-1]))
+        return nan_entries(self.keys, self.values, self.stored)
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:

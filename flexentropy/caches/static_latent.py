@@ -37,7 +37,7 @@ from torch import nn
 
 from flexentropy.caches.keywords import cache_argument
 from flexentropy.caches.latent_kv import LatentKVCache
-from flexentropy.caches.layer import PolicyLayer, _nbytes
+from flexentropy.caches.layer import PolicyLayer, _nbytes, nan_entries
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.attention import decode_attention, grouped_attention
@@ -173,11 +173,7 @@ class StaticLatentLayer(PolicyLayer):
 
     def placeholder(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-memory NaN tensors ``[B, Hkv, C, D]`` returned by a phase-1 step under compilation (fixed shapes)."""
-        batch, kv_heads = key_states.shape[:2]
-        nan = float("nan")
-        return (key_states.new_full((1, 1, 1, 1), nan).expand(batch, kv_heads, self.capacity, key_states.shape[-1]),
-                value_states.new_full((1, 1, 1, 1), nan).expand(batch, kv_heads, self.capacity,
-                                                                value_states.shape[-1]))
+        return nan_entries(key_states, value_states, self.capacity)
 
     def attend_own_mask(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Phase-1 decode attention with the layer's own padding mask (HF's logical mask is not read)."""

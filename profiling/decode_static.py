@@ -41,11 +41,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, sync, write_json  # noqa: E402
+from common import environment, speed_config, sync, write_json  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
-from flexentropy.integrations.hf import cache_keyword  # noqa: E402
+from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
 
 BANDWIDTH = 4.3e12
 """H200 HBM bytes per second: the memory-speed limit of a decode step."""
@@ -201,13 +201,13 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     cc = compile_config(device, args.compile_backend)
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
-    cfg = fe.EntropyConfig(decode_budget=args.budget)
+    cfg = speed_config(decode_budget=args.budget)
 
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
         seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}", "n": n, "new_tokens": new, "total_s": seconds,
-                "flash_attn": environment()["flash_attn"]}
+                "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
 
     def run(fn: Callable[[], dict]) -> dict:
         try:
@@ -279,7 +279,7 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
                 "identical": eager == captured, "first_mismatch": first, "tokens": len(eager)}
 
     def recompiles() -> dict:
-        cfg = fe.EntropyConfig(decode_budget=args.budget)
+        cfg = speed_config(decode_budget=args.budget)
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

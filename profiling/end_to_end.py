@@ -28,7 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, sync, write_json  # noqa: E402
+from common import environment, speed_config, sync, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     model = build_model(args.layers, device, args.tiny)
-    cfg = fe.EntropyConfig()
+    cfg = speed_config()
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for n in args.contexts:

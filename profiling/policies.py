@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from common import attention_inputs, environment, sync, time_ms, write_json  # noqa: E402
+from common import attention_inputs, environment, speed_config, sync, time_ms, write_json  # noqa: E402
 
 from flexentropy.caches import make_cache  # noqa: E402
 from flexentropy.config import EntropyConfig  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    config = EntropyConfig()
+    config = speed_config()
     rows: dict[str, list[dict]] = {"prefill": [], "cache": []}
     for context in args.contexts:
         q, k, v = attention_inputs(args.batch, args.q_heads, args.kv_heads, context, args.head_dim,

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import attention_inputs, environment, time_ms, write_json  # noqa: E402
+from common import attention_inputs, environment, speed_config, time_ms, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
@@ -42,8 +42,8 @@ def causal_flops(n: int, hq: int, d: int, b: int = 1) -> float:
 def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dict:
     dtype = getattr(torch, args.dtype)
     q, k, v = attention_inputs(1, args.hq, args.hkv, n, args.dim, dtype, device, kind=args.inputs)
-    cfg = fe.EntropyConfig(base_budget=args.budget, backend=args.backend)
-    row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget}
+    cfg = speed_config(base_budget=args.budget, backend=args.backend, observation=args.observation)
+    row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget, "observation": args.observation}
     gqa = args.hq != args.hkv
 
     def sdpa(backend: SDPBackend):
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budget", type=float, default=2048)
+    p.add_argument("--observation", choices=["probe", "paper"], default="probe",
+                   help="probe: the default's observation; paper: Alg. 2's representatives (budgets fixed either way)")
     p.add_argument("--inputs", choices=["random", "structured"], nargs="+", default=["random", "structured"])
     p.add_argument("--backend", choices=["auto", "triton", "flash"], default="auto")
     p.add_argument("--baselines", nargs="*", choices=["cudnn", "flash", "flex"], default=["cudnn", "flash", "flex"],

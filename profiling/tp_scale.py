@@ -17,7 +17,7 @@ random, so there is no checkpoint to write or read (``setup_s`` in the JSON is t
    layer is compared with the single-GPU plan that rank 0 computes from all ranks' queries and keys of that layer
    (gathered), restricted to the rank's heads (`flexentropy.integrations.hf.local_heads`).
 2. One row per context and variant, all flexentropy rows first (so that they are in the JSON even if a dense row
-   then takes the rest of the time or fails for good): ``flexentropy`` is `fe.enable` at its defaults (FLASH
+   then takes the rest of the time or fails for good): ``flexentropy`` is `fe.enable` with `common.speed_config` (FLASH
    backend when flash-attn-4 is importable, else Triton) with a `LatentKVCache`; ``dense_<backend>`` is
    transformers' SDPA pinned to that backend for the prompt (``cudnn``, ``flash``) and to
    ``--dense-decode-backend`` (flash: cuDNN re-plans at every new length) for the tokens, with a `DynamicCache`.
@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, sync, write_json  # noqa: E402
+from common import environment, speed_config, sync, write_json  # noqa: E402
 from end_to_end import LLAMA_31_8B, TINY  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         payload["checks"].append(check_plans(model, args, rank, world, device))
         payload["check_plans_s"] = time.perf_counter() - t0
         save()
-    cfg = fe.EntropyConfig()
+    cfg = speed_config()
     variants = ([] if args.no_flexentropy else ["flexentropy"]) + [f"dense_{b}" for b in args.dense_backends]
     warm: set[str] = set()
     vocab = model.config.vocab_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -293,3 +294,26 @@ def test_triton_tile_fits_a_64_key_block() -> None:
     assert kernel_options("auto", cuda, 64, torch.float32) == {"BLOCK_N": 64}
     assert kernel_options("triton", cuda, 128, torch.bfloat16) is None
     assert kernel_options("auto", torch.device("cpu"), 64) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 1400), dim=st.sampled_from([16, 32]), group=st.sampled_from([1, 2]),
+       probes=st.sampled_from([4, 16]), block=st.sampled_from([64, 128]), scale=st.sampled_from([0.5, 1.0]),
+       outputs=st.sampled_from([2**12, 2**27]), seed=st.integers(0, 2**16))
+def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, probes: int, block: int,
+                                                 scale: float, outputs: int, seed: int) -> None:
+    """The flex probe kernel (one-hot values over key chunks of D blocks, merged by log-sum-exp; run eagerly here)
+    is `probe_block_mass`'s scored path: several key chunks (D * block < N), GQA, ragged N, and several calls
+    over probe rows (a small output cap)."""
+    from flexentropy.prefill import estimate
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2
+    k = torch.randn(1, 2, n, dim, generator=gen) * 2
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(estimate, "PROBE_KERNEL_OUTPUTS", outputs)
+        warnings.simplefilter("ignore", UserWarning)   # eager flex: "called without torch.compile()"
+        fast = estimate.probe_mass_kernel(q, k, 256, block, probes, scale, compiled=False)
+    slow = estimate.probe_block_mass(q, k, 256, block, probes, scale, kernel=False)
+    assert fast.shape == slow.shape
+    torch.testing.assert_close(fast, slow.float(), atol=2e-6, rtol=1e-5)

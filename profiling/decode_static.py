@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -185,11 +186,37 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
     return row
 
 
-def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, **kwargs) -> tuple[float, list]:
+class StepClock:
+    """A logits processor that only notes the time of each call: ``generate`` calls it once per new token, after
+    that token's forward (the first call ends the prompt's forward, TTFT)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times, self.start = device, [], 0.0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+    def summary(self, delay: int) -> dict:
+        """TTFT, and the median step after ``delay`` steps (the latent cache's phase 1) and over phase 1."""
+        steps = [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:], strict=False)]
+        return {"ttft_s": self.times[0] - self.start,
+                "decode_step_ms": statistics.median(steps[delay + 1:]) if len(steps) > delay + 1 else None,
+                "phase1_step_ms": statistics.median(steps[:delay]) if len(steps) >= delay > 0 else None}
+
+
+def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, clock: StepClock | None = None,
+               **kwargs) -> tuple[float, list]:
+    from transformers import LogitsProcessorList
+
     sync(device)
     t0 = time.perf_counter()  # generate's own no_grad, as fe.warm_up: inference tensors would fail its graphs' guards
+    if clock:
+        clock.start = t0
     out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                         eos_token_id=None, **{cache_keyword(model): cache}, **kwargs)
+                         eos_token_id=None, **{cache_keyword(model): cache},
+                         logits_processor=LogitsProcessorList([clock] if clock else []), **kwargs)
     sync(device)
     return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
 
@@ -205,9 +232,12 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
 
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
-        seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, compile_config=cc)
+        clock = StepClock(device)
+        seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, clock,
+                                compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}", "n": n, "new_tokens": new, "total_s": seconds,
-                "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
+                **clock.summary(cfg.decode_delay), "density": prefill_density(model),
+                "flash_attn": environment()["flash_attn"]}
 
     def run(fn: Callable[[], dict]) -> dict:
         try:

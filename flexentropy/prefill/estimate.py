@@ -16,7 +16,6 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from flexentropy._compile import no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.prefill.kernel import kernel_options
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -212,7 +211,8 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     positions = probe_positions(n, segment_size, probes, q.device).flatten()
     total = positions.shape[0]
     per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * dim) // probes * probes)
-    options = kernel_options("auto", q.device, Q_BLOCK_SIZE, dtype)
+    # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
+    options = {"BACKEND": "TRITON"} if q.is_cuda else None
     masses = []
     run = _compiled_probe_mass_chunk if compiled else _probe_mass_chunk
     with no_silent_fallback():

@@ -147,12 +147,16 @@ def _probe_block_mask(rows: int, row0: torch.Tensor, chunks: int, width: int, se
     """BlockMask of the probe-mass kernel: batch entry ``b * chunks + c`` holds key chunk ``c``; probe row ``i``
     (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`)."""
     probes = segment_size // stride
+    # the mask reads its sizes from a device tensor: compiled flex cannot lower symbolic Python scalars in a mask_mod
+    sizes = torch.tensor([probes, segment_size, stride, last, chunks, width], device=row0.device)
 
     def position(row: torch.Tensor) -> torch.Tensor:
         return torch.clamp((row // probes) * segment_size + (row % probes + 1) * stride - 1, max=last)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return position(row0 + q_idx) >= (b % chunks) * width + kv_idx
+        row = row0 + q_idx
+        pos = torch.minimum((row // sizes[0]) * sizes[1] + (row % sizes[0] + 1) * sizes[2] - 1, sizes[3])
+        return pos >= (b % sizes[4]) * sizes[5] + kv_idx
 
     q_blocks, kv_blocks = -(-rows // Q_BLOCK_SIZE), width // Q_BLOCK_SIZE
     first = torch.arange(q_blocks, device=row0.device) * Q_BLOCK_SIZE

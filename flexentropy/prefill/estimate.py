@@ -97,7 +97,7 @@ def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.
 
 
 def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
-                     scale: float = 1.0, *, kernel: bool | None = None) -> torch.Tensor:
+                     scale: float = 1.0, *, kernel: bool = False) -> torch.Tensor:
     """Mean causal attention mass of each segment's probe queries (`probe_positions`) on each key block.
 
     A probe's attention is the layer's own softmax over every key up to it, logits ``scale * q.k / sqrt(D)``
@@ -106,11 +106,10 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     Compute ``~N^2 D probes / (2 L_S)`` multiply-adds per head (``probes / L_S`` of dense ``QK^T``, half of it
     masked); no ``N x N`` tensor.
 
-    Two ways, the same function: ``kernel=True`` runs compiled ``flex_attention`` (`probe_mass_kernel`: no score is
-    stored, ~20x faster on an H200 at 128k); ``kernel=False`` scores probe rows in chunks of at most
-    `PROBE_CHUNK_SCORES` (`positions_attention`, logits in the input dtype, softmax and sums in `compute_dtype`).
-    ``None`` takes the kernel on CUDA for 16/32-bit inputs (torch's compiled CPU flex cannot return the log-sum-exp
-    the kernel needs).
+    Two ways to the same function: ``kernel=False`` (the default, what selection runs) scores probe rows in chunks of
+    at most `PROBE_CHUNK_SCORES` (`positions_attention`, logits in the input dtype, softmax and sums in
+    `compute_dtype`); ``kernel=True`` runs `probe_mass_kernel` (compiled ``flex_attention`` on CUDA, no score stored;
+    7x faster at 128k on an H200, but not yet validated there: docs/performance.md).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
@@ -118,8 +117,6 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     Returns:
         ``[B, Hq, C_S, C_B]`` in `compute_dtype`.
     """
-    if kernel is None:
-        kernel = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if kernel:
         return probe_mass_kernel(q, k, segment_size, block_size, probes, scale, compiled=q.is_cuda)
     batch, q_heads, n, _ = q.shape
@@ -180,7 +177,7 @@ def _probe_mass_chunk(rows_q: torch.Tensor, key_chunks: torch.Tensor, one_hot: t
     chunks, width = key_chunks.shape[0] // batch, key_chunks.shape[-2]
     block_mask = _probe_block_mask(rows, row0, chunks, width, segment_size, stride, last, batch)
     queries = rows_q.repeat_interleave(chunks, dim=0)                       # [B*C, Hq, R, D]
-    values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1)
+    values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1).contiguous()   # no stride-0 dims
     out, aux = flex_attention(queries, key_chunks, values, block_mask=block_mask, scale=scale,
                               return_aux=AuxRequest(lse=True), enable_gqa=q_heads != key_chunks.shape[1],
                               kernel_options=options)
@@ -226,9 +223,12 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
                 q[:, :, positions[start:stop]], key_chunks, one_hot,
                 torch.tensor(start, device=q.device), segment_size, segment_size // probes, n - 1,
                 1.0 / (math.sqrt(dim) / scale), options)
-            out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch)
-            lse = rearrange(lse.float(), "(b c) h r -> b c h r", b=batch)
-            share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True)).nan_to_num_(0.0)
+            # a chunk that starts after a probe is not read for it, whatever the kernel reports for an empty row
+            seen = (positions[start:stop][None, :] >= torch.arange(chunks, device=q.device)[:, None] * width)
+            seen = seen[None, :, None]                                                      # [1, C, 1, R]
+            out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)
+            lse = rearrange(lse.float(), "(b c) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
+            share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))
             mass = rearrange(out * share[..., None], "b c h r v -> b h r (c v)")[..., :num_blocks]
             masses.append(mass)
     mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)

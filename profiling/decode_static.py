@@ -259,6 +259,24 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     yield run(warm)
     yield run(lambda: flexentropy_row("warm"))
 
+    def profile() -> dict:
+        """Where a decode step inside ``generate`` spends its time: the warm row's ``generate`` on a short prompt
+        under torch.profiler, the top CPU-side functions written to ``OUT/generate_profile.txt``."""
+        fe.enable(model, cfg, prefill="entropy")
+        short = ids[:, : args.warm_lengths[0]]
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            seconds, _ = generate_s(model, short, fe.StaticLatentKVCache(cfg, model=model), args.profile_steps,
+                                    device, compile_config=cc)
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+        (Path(args.out) / "generate_profile.txt").write_text(table, encoding="utf-8")
+        return {"part": "e2e", "variant": "generate_profile", "n": short.shape[1], "new_tokens": args.profile_steps,
+                "total_s": seconds}
+
+    if args.profile_steps:
+        yield run(profile)
+
     def dense() -> dict:
         """Best dense per phase: cuDNN SDPA prefill (eager, through generate), then the compiled static decode
         (SDPA flash first) continuing on the same StaticCache; the decode graph compiled beforehand on a twin cache
@@ -308,6 +326,21 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
         return {"part": "checks", "variant": "greedy_identity_covering", "n": args.check_prompt,
                 "identical": eager == captured, "first_mismatch": first, "tokens": len(eager)}
 
+    def dense_control() -> dict:
+        """The same identity check for dense (HF ``StaticCache``, eager against compiled): how far bf16 rounding of
+        compiled kernels alone moves greedy tokens of a random-weight model."""
+        from transformers import StaticCache
+
+        model.set_attn_implementation("sdpa")
+        ids = torch.randint(100, vocab, (1, args.check_prompt), device=device,
+                            generator=torch.Generator(device=device).manual_seed(2))
+        size = args.check_prompt + args.check_tokens + 8
+        runs = [generate_s(model, ids, StaticCache(config=model.config, max_cache_len=size), args.check_tokens, device,
+                           **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
+        first = next((i for i, (a, b) in enumerate(zip(*runs, strict=False)) if a != b), None)
+        return {"part": "checks", "variant": "greedy_identity_dense_control", "n": args.check_prompt,
+                "identical": runs[0] == runs[1], "first_mismatch": first, "tokens": len(runs[0])}
+
     def recompiles() -> dict:
         cfg = speed_config(decode_budget=args.budget)
         fe.enable(model, cfg, prefill="entropy")
@@ -325,7 +358,7 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
         return {"part": "checks", "variant": "recompiles_after_warm_up", "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
 
-    for fn in (identity, recompiles):
+    for fn in (identity, dense_control, recompiles):
         try:
             yield fn()
         except Exception as err:  # noqa: BLE001
@@ -384,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--e2e-context", type=int, default=131072)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--profile-steps", type=int, default=64,
+                   help="e2e: profile a generate of this many tokens on a short prompt after the warm row (0: skip)")
     p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
     p.add_argument("--check-prompt", type=int, default=2048)
     p.add_argument("--check-tokens", type=int, default=64)

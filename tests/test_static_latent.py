@@ -110,14 +110,17 @@ def test_validation() -> None:
 
 
 def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
-    """transformers compiles the decode forward for the cache; after one request, another prompt length and
-    more steps compile nothing (``error_on_recompile``)."""
+    """transformers compiles the decode forward for the cache; the phase-1 steps run eagerly, so the static step is
+    whole graphs (two: the forward around the decoder's eager pre-hook), not one per layer break; after one request,
+    another prompt length and more steps compile nothing (``error_on_recompile``)."""
     model = model_for("llama", EVICTING)
     ids = prompt(300)
     expected = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 40, disable_compile=True)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     assert torch.equal(greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 40,
                               compile_config=cpu_compile()), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     other = prompt(420, seed=5)
     expected = greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -223,7 +223,8 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
                 q[:, :, positions[start:stop]], key_chunks, one_hot,
                 torch.tensor(start, device=q.device), segment_size, segment_size // probes, n - 1,
                 1.0 / (math.sqrt(dim) / scale), options)
-            # a chunk that starts after a probe is not read for it, whatever the kernel reports for an empty row
+            # a chunk that starts after a probe is not read for it: the Triton kernel reports a log-sum-exp of 0 (not
+            # -inf) for a row with no visible key, which would take a share of the merge
             seen = (positions[start:stop][None, :] >= torch.arange(chunks, device=q.device)[:, None] * width)
             seen = seen[None, :, None]                                                      # [1, C, 1, R]
             out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)

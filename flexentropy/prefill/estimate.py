@@ -7,6 +7,7 @@ Computation runs in ``compute_dtype`` (float32, float64 for float64 inputs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -97,7 +98,7 @@ def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.
 
 
 def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
-                     scale: float = 1.0, *, kernel: bool = False) -> torch.Tensor:
+                     scale: float = 1.0, *, kernel: bool = False, compiled: bool = False) -> torch.Tensor:
     """Mean causal attention mass of each segment's probe queries (`probe_positions`) on each key block.
 
     A probe's attention is the layer's own softmax over every key up to it, logits ``scale * q.k / sqrt(D)``
@@ -108,8 +109,10 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
 
     Two ways to the same function: ``kernel=False`` (the default, what selection runs) scores probe rows in chunks of
     at most `PROBE_CHUNK_SCORES` (`positions_attention`, logits in the input dtype, softmax and sums in
-    `compute_dtype`); ``kernel=True`` runs `probe_mass_kernel` (compiled ``flex_attention`` on CUDA, no score stored;
-    7x faster at 128k on an H200, but not yet validated there: docs/performance.md).
+    `compute_dtype`; ``compiled=True`` scores each chunk in one compiled graph, which reads the scores back once per
+    pass instead of once per op: what selection runs on CUDA); ``kernel=True`` runs `probe_mass_kernel` (compiled
+    ``flex_attention`` on CUDA, no score stored; 7x faster at 128k on an H200, not yet validated there:
+    docs/performance.md).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
@@ -123,16 +126,26 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
     num_blocks = -(-n // block_size)
     per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * n) // probes * probes)
+    score = _compiled_scored_chunk if compiled else _scored_chunk
     masses = []
-    for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
-        stop = min(start + per_chunk, positions.shape[0])
-        keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
-        probs = positions_attention(q, k[..., :keys_seen, :], positions[start:stop], scale=scale,
-                                    input_dtype_logits=True)
-        mass = block_sums(probs, block_size)
-        masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
+    with no_silent_fallback() if compiled else contextlib.nullcontext():
+        for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
+            stop = min(start + per_chunk, positions.shape[0])
+            keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
+            mass = score(q, k[..., :keys_seen, :], positions[start:stop], scale, block_size)
+            masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
     mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
     return mass.mean(dim=-2)
+
+
+def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
+                  block_size: int) -> torch.Tensor:
+    """Block sums ``[B, Hq, R, ceil(M / block_size)]`` of the probe rows' causal attention over ``k [B, Hkv, M, D]``
+    (`positions_attention`, logits in the input dtype)."""
+    return block_sums(positions_attention(q, k, positions, scale=scale, input_dtype_logits=True), block_size)
+
+
+_compiled_scored_chunk = torch.compile(_scored_chunk, dynamic=True, fullgraph=True)
 
 
 PROBE_KERNEL_OUTPUTS = 2**27

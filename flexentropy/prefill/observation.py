@@ -73,9 +73,9 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
 
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,
-                 scale: float, probes: int = 16, kernel: bool = False) -> torch.Tensor:
+                 scale: float, probes: int = 16, kernel: bool = False, compiled: bool = False) -> torch.Tensor:
     if observation == "probe":
-        mass = probe_block_mass(q, k, segment_size, block_size, probes, scale, kernel=kernel).float()
+        mass = probe_block_mass(q, k, segment_size, block_size, probes, scale, kernel=kernel, compiled=compiled).float()
         allowed = candidate_blocks(mass.shape[-2], mass.shape[-1], segment_size, block_size, q.device)
         return mass * allowed
     group = q.shape[1] // k.shape[1]

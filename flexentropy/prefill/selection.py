@@ -183,9 +183,9 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig,
     return blocks, budgets, entropy, rigid_heads(entropy, config.entropy_threshold)
 
 
-def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, compiled: bool = False) -> torch.Tensor:
     return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,
-                        config.probes)
+                        config.probes, compiled=compiled)
 
 
 def _plan_tensors(q: torch.Tensor, k: torch.Tensor,
@@ -206,8 +206,8 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
         return _plan_tensors(q, k, config)
     try:
         with no_silent_fallback():
-            if config.observation == "probe":     # its loop over chunks of probe rows runs eagerly (big matmuls)
-                return _compiled_select(_observe(q, k, config), config, q.shape[-2])
+            if config.observation == "probe":     # its loop over chunks of probe rows: one compiled graph a chunk
+                return _compiled_select(_observe(q, k, config, compiled=True), config, q.shape[-2])
             return _compiled_plan_tensors(q, k, config)
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._inductor.exc.InductorError) as err:

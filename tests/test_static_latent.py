@@ -183,7 +183,7 @@ def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
 
 @pytest.mark.slow
 def test_warm_up_then_no_recompile() -> None:
-    """After `fe.warm_up` over two lengths (sparse prefill compiled, decode graphs of both phases), a third length
+    """After `fe.warm_up` over two lengths (sparse prefill compiled, the static decode graph), a third length
     in the range compiles nothing."""
     model = model_for("llama", EVICTING, prefill="entropy")
     torch._dynamo.reset()

@@ -60,7 +60,8 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
             new_tokens: int | None = None, compile_config: Any = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
-    ``lengths`` tokens and the decode graphs of both phases of a `StaticLatentKVCache`, through ``model.generate``.
+    ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly),
+    through ``model.generate``.
 
     Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
     above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the

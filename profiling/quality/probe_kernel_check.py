@@ -1,4 +1,4 @@
-"""GPU check of the probe observation's flex kernel (opt-in) against its scored path: every row must sum to 1.
+"""GPU check of the probe observation's flex kernel (opt-in) against its scored path: the masses must agree.
 
     python profiling/quality/probe_kernel_check.py
 """

@@ -12,7 +12,6 @@ dense (mean over layers, heads and rows; worst: the worst layer's mean).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mass_study import block_mass, capture, dense_rows, output_error  # noqa: E402
+from mass_study import block_mass, capture, dense_rows, output_error, study_arguments  # noqa: E402
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
@@ -33,11 +32,7 @@ COVERAGES = (0.7, 0.8, 0.9)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--length", type=int, default=16384)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = study_arguments(__doc__.splitlines()[0])
     layers = capture(args.model, args.length, args.out.parent / "qwen_mass_study_v.pt")
     torch.manual_seed(0)
     results: dict[tuple, list[tuple[float, float, float]]] = {}

@@ -116,12 +116,17 @@ def output_error(logits: torch.Tensor, selected: torch.Tensor, v: torch.Tensor, 
     return (out - dense_out).norm(dim=-1) / dense_out.norm(dim=-1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def study_arguments(description: str) -> argparse.Namespace:
+    """The studies' arguments: the model alias, the prompt length, the output text file (the capture sits beside it)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = study_arguments(__doc__.splitlines()[0])
     torch.manual_seed(0)
     layers = capture(args.model, args.length, args.out.with_name(f"{args.out.stem}_v.pt"))
     base = EntropyConfig(**GEOMETRY)

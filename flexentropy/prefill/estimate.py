@@ -91,10 +91,15 @@ def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.
                     ) -> torch.Tensor:
     """The probe queries of every segment: ``probes`` evenly strided positions, each the last of its stride
     (``s L_S + (i + 1) L_S / probes - 1``), clamped to the last token. int64 ``[C_S, probes]``."""
-    stride = segment_size // probes
-    s = torch.arange(-(-seq_len // segment_size), device=device)
-    i = torch.arange(probes, device=device)
-    return torch.clamp(s[:, None] * segment_size + (i[None, :] + 1) * stride - 1, max=seq_len - 1)
+    rows = torch.arange(-(-seq_len // segment_size) * probes, device=device)
+    return probe_row_position(rows, probes, segment_size, segment_size // probes, seq_len - 1).view(-1, probes)
+
+
+def probe_row_position(row: torch.Tensor, probes: int | torch.Tensor, segment_size: int | torch.Tensor,
+                       stride: int | torch.Tensor, last: int | torch.Tensor) -> torch.Tensor:
+    """Position of probe row ``row`` of `probe_positions` flattened (``s * probes + i``): ``s L_S + (i + 1) stride
+    - 1``, at most ``last``. The sizes may be ints or 0-d tensors (a compiled ``mask_mod`` reads them from one)."""
+    return torch.clamp((row // probes) * segment_size + (row % probes + 1) * stride - 1, max=last)
 
 
 def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
@@ -160,18 +165,14 @@ def _probe_block_mask(rows: int, row0: torch.Tensor, chunks: int, width: int, se
     # the mask reads its sizes from a device tensor: compiled flex cannot lower symbolic Python scalars in a mask_mod
     sizes = torch.tensor([probes, segment_size, stride, last, chunks, width], device=row0.device)
 
-    def position(row: torch.Tensor) -> torch.Tensor:
-        return torch.clamp((row // probes) * segment_size + (row % probes + 1) * stride - 1, max=last)
-
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        row = row0 + q_idx
-        pos = torch.minimum((row // sizes[0]) * sizes[1] + (row % sizes[0] + 1) * sizes[2] - 1, sizes[3])
-        return pos >= (b % sizes[4]) * sizes[5] + kv_idx
+        return probe_row_position(row0 + q_idx, *sizes[:4]) >= (b % sizes[4]) * sizes[5] + kv_idx
 
     q_blocks, kv_blocks = -(-rows // Q_BLOCK_SIZE), width // Q_BLOCK_SIZE
     first = torch.arange(q_blocks, device=row0.device) * Q_BLOCK_SIZE
-    lo = position(row0 + first)                                               # [Qb] positions ascend with rows
-    hi = position(row0 + torch.clamp(first + Q_BLOCK_SIZE, max=rows) - 1)
+    lo = probe_row_position(row0 + first, probes, segment_size, stride, last)     # [Qb] positions ascend with rows
+    hi = probe_row_position(row0 + torch.clamp(first + Q_BLOCK_SIZE, max=rows) - 1, probes, segment_size, stride,
+                            last)
     start = (torch.arange(batch * chunks, device=row0.device) % chunks)[:, None] * width      # [B*C, 1]
     full = torch.clamp((lo[None] - start + 1) // Q_BLOCK_SIZE, 0, kv_blocks).to(torch.int32)  # [B*C, Qb]
     seen = torch.clamp(hi[None] - start + Q_BLOCK_SIZE, 0, kv_blocks * Q_BLOCK_SIZE) // Q_BLOCK_SIZE

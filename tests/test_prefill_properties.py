@@ -303,8 +303,8 @@ def test_triton_tile_fits_a_64_key_block() -> None:
 def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, probes: int, block: int,
                                                  scale: float, outputs: int, seed: int) -> None:
     """The flex probe kernel (one-hot values over key chunks of D blocks, merged by log-sum-exp; run eagerly here)
-    is `probe_block_mass`'s scored path: several key chunks (D * block < N), GQA, ragged N, and several calls
-    over probe rows (a small output cap)."""
+    is `probe_block_mass`'s scored path and, on the candidate blocks, `reference.prefill.probe_observation`: several key
+    chunks (D * block < N), GQA, ragged N, and several calls over probe rows (a small output cap)."""
     from flexentropy.prefill import estimate
 
     gen = torch.Generator().manual_seed(seed)
@@ -317,3 +317,6 @@ def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, p
     slow = estimate.probe_block_mass(q, k, 256, block, probes, scale, kernel=False)
     assert fast.shape == slow.shape
     torch.testing.assert_close(fast, slow.float(), atol=2e-6, rtol=1e-5)
+    # and the float64 oracle on the candidate blocks (the observation keeps those only)
+    oracle = reference.prefill.probe_observation(q, k, 256, block, probes, scale)
+    torch.testing.assert_close((fast * (oracle != 0)).double(), oracle, atol=1e-5, rtol=1e-5)

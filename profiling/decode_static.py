@@ -313,18 +313,19 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
     cc = compile_config(device, args.compile_backend)
     gen = torch.Generator(device=device).manual_seed(2)
     vocab = model.config.vocab_size - 1
+    check_ids = torch.randint(100, vocab, (1, args.check_prompt), device=device, generator=gen)
+
+    def agreement(variant: str, eager: list, captured: list) -> dict:
+        first = next((i for i, (a, b) in enumerate(zip(eager, captured, strict=False)) if a != b), None)
+        return {"part": "checks", "variant": variant, "n": args.check_prompt, "identical": eager == captured,
+                "first_mismatch": first, "tokens": len(eager)}
 
     def identity() -> dict:
         cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192)  # covering the short prompt and its tokens
         fe.enable(model, cfg, prefill="dense")
-        ids = torch.randint(100, vocab, (1, args.check_prompt), device=device, generator=gen)
-        _, eager = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
-                              disable_compile=True)
-        _, captured = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
-                                 compile_config=cc)
-        first = next((i for i, (a, b) in enumerate(zip(eager, captured, strict=False)) if a != b), None)
-        return {"part": "checks", "variant": "greedy_identity_covering", "n": args.check_prompt,
-                "identical": eager == captured, "first_mismatch": first, "tokens": len(eager)}
+        runs = [generate_s(model, check_ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
+                           **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
+        return agreement("greedy_identity_covering", *runs)
 
     def dense_control() -> dict:
         """The same identity check for dense (HF ``StaticCache``, eager against compiled): how far bf16 rounding of
@@ -332,14 +333,10 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
         from transformers import StaticCache
 
         model.set_attn_implementation("sdpa")
-        ids = torch.randint(100, vocab, (1, args.check_prompt), device=device,
-                            generator=torch.Generator(device=device).manual_seed(2))
         size = args.check_prompt + args.check_tokens + 8
-        runs = [generate_s(model, ids, StaticCache(config=model.config, max_cache_len=size), args.check_tokens, device,
-                           **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
-        first = next((i for i, (a, b) in enumerate(zip(*runs, strict=False)) if a != b), None)
-        return {"part": "checks", "variant": "greedy_identity_dense_control", "n": args.check_prompt,
-                "identical": runs[0] == runs[1], "first_mismatch": first, "tokens": len(runs[0])}
+        runs = [generate_s(model, check_ids, StaticCache(config=model.config, max_cache_len=size), args.check_tokens,
+                           device, **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
+        return agreement("greedy_identity_dense_control", *runs)
 
     def recompiles() -> dict:
         cfg = speed_config(decode_budget=args.budget)

@@ -62,12 +62,13 @@ def test_config_rejects_wrong_types() -> None:
 
 def test_config_defaults_are_the_spec() -> None:
     cfg = EntropyConfig()
-    assert (cfg.segment_size, cfg.block_size, cfg.base_budget, cfg.entropy_threshold) == (512, 128, 2048, 1e-5)
+    assert (cfg.segment_size, cfg.block_size, cfg.base_budget, cfg.entropy_threshold) == (256, 128, 2048, 1e-5)
     assert (cfg.budget_alpha, cfg.fluctuation_threshold, cfg.max_budget_factor) == (0.5, 0.4, 3.0)
     assert (cfg.fluctuation, cfg.observation, cfg.observation_scale, cfg.probes) == ("abs", "probe", 1.0, 16)
     assert (cfg.budget_rule, cfg.coverage) == ("coverage", 0.8)
     paper = EntropyConfig.paper()
-    assert (paper.observation, paper.budget_rule, paper.base_budget) == ("paper", "fluctuation", 2048)
+    assert (paper.observation, paper.budget_rule, paper.base_budget, paper.segment_size) == (
+        "paper", "fluctuation", 2048, 512)
     assert (cfg.sink_blocks, cfg.local_blocks, cfg.dense_prefix, cfg.dense_last_segment) == (1, 0, 4096, True)
     assert cfg.dense_layers == (0,)
     assert (cfg.decode_budget, cfg.decode_window, cfg.decode_delay, cfg.decode_pool) == (1024, 32, 16, 5)

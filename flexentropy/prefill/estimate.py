@@ -146,8 +146,21 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
 def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
                   block_size: int) -> torch.Tensor:
     """Block sums ``[B, Hq, R, ceil(M / block_size)]`` of the probe rows' causal attention over ``k [B, Hkv, M, D]``
-    (`positions_attention`, logits in the input dtype)."""
-    return block_sums(positions_attention(q, k, positions, scale=scale, input_dtype_logits=True), block_size)
+    (`positions_attention`'s softmax, logits in the input dtype), taken block-wise: each key block's log-sum-exp,
+    then a softmax over the blocks. Equal to summing the softmax over each block, but the scores are read once (a
+    reduction over the ``block_size`` keys of a block, which a compiled graph keeps in registers) instead of once for
+    the row's maximum, once for its sum and once for the block sums."""
+    dtype = compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=group)
+    logits = torch.einsum("bhgid,bhjd->bhgij", rows, k).to(dtype) / (math.sqrt(q.shape[-1]) / scale)
+    causal = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions[:, None]
+    logits = F.pad(logits.masked_fill(~causal, float("-inf")), (0, -k.shape[-2] % block_size), value=float("-inf"))
+    blocks = rearrange(logits, "b h g i (c s) -> b h g i c s", s=block_size)
+    peak = blocks.amax(dim=-1, keepdim=True)
+    peak = peak.masked_fill(peak == float("-inf"), 0.0)                 # a block no probe sees: exp(-inf) = 0
+    block_lse = (peak.squeeze(-1) + torch.exp(blocks - peak).sum(dim=-1).log())
+    return rearrange(torch.softmax(block_lse, dim=-1), "b h g i c -> b (h g) i c")
 
 
 _compiled_scored_chunk = torch.compile(_scored_chunk, dynamic=True, fullgraph=True)

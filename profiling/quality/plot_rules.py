@@ -1,8 +1,8 @@
-"""docs/results/qwen_h200_rules/rules.png: score against measured density per prefill rule, one panel per task, from
-the study's ``runs.csv`` (the eval report's own plot groups runs by policy name only, so it cannot tell the coverage
-variants of ``entropy`` apart).
+"""STUDY/rules.png: score against measured density per prefill rule, one panel per task, from the ``runs.csv`` of one
+or more studies (the eval report's own plot groups runs by policy name only, so it cannot tell the coverage variants
+of ``entropy`` apart). The segment size is read from the model label (``-seg256``: 256, else the 512 of those runs).
 
-    python profiling/quality/plot_rules.py docs/results/qwen_h200_rules
+    python profiling/quality/plot_rules.py docs/results/qwen_h200_seg256 docs/results/qwen_h200_rules
 """
 
 from __future__ import annotations
@@ -25,14 +25,22 @@ def label(row: dict[str, str]) -> str:
     spec = row["prefill"]
     name, knobs = parse_spec(spec)
     if name == "entropy" and "coverage" in knobs:
-        return f"probe, coverage {knobs['coverage']}"
+        segments = 256 if row["model"].endswith("-seg256") else 512
+        return f"probe, coverage {knobs['coverage']}, segments {segments}"
     if spec == "entropy":
         return f"paper's rule, B_0 {row['prefill_budget']}"
     return spec
 
 
-def main(study: Path) -> None:
-    rows = list(csv.DictReader((study / "runs.csv").open(encoding="utf-8")))
+def main(study: Path, *more: Path) -> None:
+    rows, dense = [], set()
+    for folder in (study, *more):
+        for row in csv.DictReader((folder / "runs.csv").open(encoding="utf-8")):
+            if row["prefill"] == "dense":       # the same dense runs may sit in several studies
+                if row["task"] in dense:
+                    continue
+                dense.add(row["task"])
+            rows.append(row)
     tasks = sorted({r["task"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
     colors: dict[str, str] = {}                 # one colour per rule across the panels
@@ -55,10 +63,10 @@ def main(study: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     axes[0, 0].set_ylabel("score (95% Wilson interval)")
-    fig.suptitle("Qwen2.5-Coder-1.5B at 32k: prefill rules (H200, segments 512, blocks 128, dense prefix 4096)")
+    fig.suptitle("Qwen2.5-Coder-1.5B at 32k: prefill rules (H200, blocks 128, dense prefix 4096, layer 0 dense)")
     fig.tight_layout()
     fig.savefig(study / "rules.png", dpi=110)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(*map(Path, sys.argv[1:]))

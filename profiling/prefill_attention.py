@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import attention_inputs, environment, speed_config, time_ms, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
+from flexentropy.prefill import estimate  # noqa: E402
 from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
 from flexentropy.prefill.entropy import segment_entropy  # noqa: E402
 from flexentropy.prefill.kernel import kernel_options, run_plan  # noqa: E402
@@ -86,6 +88,12 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
         "sparse_kernel_ms": lambda: run_plan(q, k, v, plan, backend=args.backend),
     }
     if cfg.observation == "probe":   # the probe's flex kernel (opt-in, probe_mass_kernel) against the scored path
+        for exponent in args.probe_chunks:   # the compiled scored chunks (what selection runs on CUDA) per chunk size
+            def compiled_observation(size: int = 2**exponent) -> torch.Tensor:
+                with patch.object(estimate, "PROBE_CHUNK_SCORES", size):
+                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
+                                        cfg.probes, False, True)
+            stages[f"observation_compiled_2^{exponent}_ms"] = compiled_observation
         stages["observation_kernel_ms"] = lambda: _observation(q, k, cfg.segment_size, cfg.block_size, "probe",
                                                                cfg.observation_scale, cfg.probes, True)
         row["probe_kernel_max_abs_diff"] = float((a_obs - stages["observation_kernel_ms"]()).abs().max())
@@ -125,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["auto", "triton", "flash"], default="auto")
     p.add_argument("--baselines", nargs="*", choices=["cudnn", "flash", "flex"], default=["cudnn", "flash", "flex"],
                    help="dense baselines to time")
+    p.add_argument("--probe-chunks", type=int, nargs="*", default=[26],
+                   help="probe observation: time its compiled scored path with chunks of 2^E scores, per E "
+                        "(the library's PROBE_CHUNK_SCORES is 2^26)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="docs/results/prefill_attention.json")
     args = p.parse_args(argv)
@@ -136,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(bench_context(n, ns, device))
             print({key: (round(val, 3) if isinstance(val, float) else val) for key, val in rows[-1].items()},
                   flush=True)
-    write_json(args.out, {"benchmark": "prefill_attention", "shape": {"hq": args.hq, "hkv": args.hkv,
-                          "dim": args.dim, "dtype": args.dtype}, "backend": args.backend,
-                          "environment": environment(), "rows": rows})
+            write_json(args.out, {"benchmark": "prefill_attention", "shape": {"hq": args.hq, "hkv": args.hkv,
+                                  "dim": args.dim, "dtype": args.dtype}, "backend": args.backend,
+                                  "segment_size": speed_config().segment_size,
+                                  "environment": environment(), "rows": rows})   # after every row: a cut run keeps them
     print(f"\n{'inputs':>10} {'N':>7} {'cuDNN':>8} {'flash':>8} {'flexD':>8} {'sparse':>8} {'kernel':>8} "
           f"{'select':>7} {'density':>7} {'xcuDNN':>6}")
     for r in rows:

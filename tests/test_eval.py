@@ -592,3 +592,17 @@ def test_diagnose_localises_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monk
     assert needle["rank_median"] >= 0 and needle["k_median"] == 1.0  # B_0 64 = one block of 64
     assert layer1["fidelity"]["question_error"] == pytest.approx(0.0, abs=1e-4)
     assert summary["samples"] == 1 and set(summary["variants"]) == set(variants)
+
+
+def test_the_qwen_plans_coverage_spec_is_the_default() -> None:
+    # docs/quality.md reports the eval's `entropy:observation=probe,budget_rule=coverage,...` at B_0 128 with
+    # --segment-size 256 --block-size 128 --dense-prefix 4096 as the library's default: the plans must be the same
+    spec = "entropy:observation=probe,budget_rule=coverage,coverage=0.8,max_budget_factor=1024"
+    geometry = runner.EVAL_CONFIG.replace(segment_size=256, block_size=128, dense_prefix=4096, dense_layers=(0,))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5000, 16, generator=gen)
+    k = torch.randn(1, 2, 5000, 16, generator=gen) * 3      # peaked attention: coverage keeps few blocks
+    evaluated = resolve.make_prefill_policy(spec, geometry, 128).plan(q, k, 1)
+    default = select_blocks(q, k, EntropyConfig(), layer_idx=1)
+    assert 0 < default.density < 1
+    assert torch.equal(evaluated.blocks, default.blocks)

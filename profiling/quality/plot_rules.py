@@ -1,4 +1,5 @@
-"""STUDY/rules.png: score against measured density per prefill rule, one panel per task, from the ``runs.csv`` of one
+"""STUDY/rules.png: score against measured density (top) and measured prefill time (bottom) per prefill rule, one
+column per task, from the ``runs.csv`` of one
 or more studies (the eval report's own plot groups runs by policy name only, so it cannot tell the coverage variants
 of ``entropy`` apart). The segment size is read from the model label (``-seg256``: 256, else the 512 of those runs).
 
@@ -42,28 +43,37 @@ def main(study: Path, *more: Path) -> None:
                 dense.add(row["task"])
             rows.append(row)
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 8.4), squeeze=False)
     colors: dict[str, str] = {}                 # one colour per rule across the panels
-    sparse = [float(r["density"]) for r in rows if r["prefill"] != "dense"]
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for row in (r for r in rows if r["task"] == task):
-            score, low, high = (float(row[k]) for k in ("score", "score_low", "score_high"))
-            if row["prefill"] == "dense":
-                ax.axhspan(low, high, color="k", alpha=0.08)
-                ax.axhline(score, color="k", ls="--", lw=1, label=f"dense (n={row['samples']}), 95% band")
-                continue
-            err = [[max(score - low, 0)], [max(high - score, 0)]]
-            color = colors.setdefault(label(row), f"C{len(colors)}")
-            ax.errorbar(float(row["density"]), score, yerr=err, marker="o", capsize=3, color=color,
-                        label=f"{label(row)} (n={row['samples']})")
-        ax.set_title(f"{task}, {rows[0]['length']} tokens")
-        ax.set_xlabel("measured prefill density (computed / causal key blocks)")
-        ax.set_ylim(0, 1.05)
-        ax.set_xlim(min(sparse) - 0.02, max(sparse) + 0.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[0, 0].set_ylabel("score (95% Wilson interval)")
-    fig.suptitle("Qwen2.5-Coder-1.5B at 32k: prefill rules (H200, blocks 128, dense prefix 4096, layer 0 dense)")
+    sparse = [r for r in rows if r["prefill"] != "dense"]
+    axis = {"density": ("measured prefill density (computed / causal key blocks)",
+                        [float(r["density"]) for r in sparse]),
+            "prefill_s": ("measured prefill time, s (median batch of 8 in the eval)",
+                          [float(r["prefill_s"]) for r in rows])}
+    for line, (x_key, (x_label, xs)) in zip(axes, axis.items(), strict=True):
+        for ax, task in zip(line, tasks, strict=True):
+            for row in (r for r in rows if r["task"] == task):
+                score, low, high = (float(row[k]) for k in ("score", "score_low", "score_high"))
+                err = [[max(score - low, 0)], [max(high - score, 0)]]
+                if row["prefill"] == "dense":
+                    ax.axhspan(low, high, color="k", alpha=0.08)
+                    ax.axhline(score, color="k", ls="--", lw=1, label=f"dense (n={row['samples']}), 95% band")
+                    if x_key == "prefill_s":    # dense has a time, not a density
+                        ax.errorbar(float(row[x_key]), score, yerr=err, marker="s", capsize=3, color="k")
+                    continue
+                color = colors.setdefault(label(row), f"C{len(colors)}")
+                ax.errorbar(float(row[x_key]), score, yerr=err, marker="o", capsize=3, color=color,
+                            label=f"{label(row)} (n={row['samples']})")
+            ax.set_title(f"{task}, {rows[0]['length']} tokens")
+            ax.set_xlabel(x_label)
+            ax.set_ylim(0, 1.05)
+            pad = 0.05 * (max(xs) - min(xs)) or 0.02
+            ax.set_xlim(min(xs) - pad, max(xs) + pad)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+        line[0].set_ylabel("score (95% Wilson interval)")
+    fig.suptitle("Qwen2.5-Coder-1.5B at 32k: prefill rules (H200, blocks 128, dense prefix 4096, layer 0 dense; "
+                 "dense prefill: SDPA with a padding mask)")
     fig.tight_layout()
     fig.savefig(study / "rules.png", dpi=110)
 

@@ -233,7 +233,9 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     chunks = -(-n // width)
     num_blocks = -(-n // block_size)
     dtype = q.dtype
-    key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> (b c) h w d", w=width)
+    # contiguous: the stacked chunks of a strided view would reach the kernel with batch and head strides unlike the
+    # values' (one suspect of the GPU check's lost mass, docs/performance.md)
+    key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> (b c) h w d", w=width).contiguous()
     block = torch.arange(width, device=q.device) // block_size
     one_hot = (block[:, None] == torch.arange(dim, device=q.device)).to(dtype)      # [W, D]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()

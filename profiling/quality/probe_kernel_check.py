@@ -3,9 +3,10 @@
     python profiling/quality/probe_kernel_check.py [cpu]   # cpu: eager flex, a smoke run of the script
 
 Session 8 found rows summing to 0.715 on the H200 (float32) where the scored path and eager flex on CPU sum to 1.
-The second part looks for the cause: one call of the kernel's chunk function, per (key chunk, probe row), how much
-of the probe's mass the kernel's output holds (it must be 1 wherever the chunk is visible), with the hand-built
-BlockMask and with one built by ``create_block_mask`` from the same ``mask_mod``.
+The second part looks for the cause: per (key chunk, probe row), how much of the probe's mass the kernel's output
+holds (it must be 1 wherever the chunk is visible) and how far its log-sum-exp is from the true one, with the
+hand-built BlockMask on strided key chunks (the kernel before session 8) and on contiguous ones (since), and with a
+BlockMask built by ``create_block_mask`` from the same ``mask_mod``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ print(f"float32: max |kernel - scored| = {float((fast - slow).abs().max()):.3g},
 # per chunk: the kernel's output mass of every probe row that sees the chunk
 width = 128 * BLOCK
 chunks = -(-N // width)
-key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - N)), "b h (c w) d -> (b c) h w d", w=width)
+strided_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - N)), "b h (c w) d -> (b c) h w d", w=width)
+key_chunks = strided_chunks.contiguous()                            # what probe_mass_kernel passes since session 8
 one_hot = (torch.arange(width, device=DEVICE)[:, None] // BLOCK == torch.arange(128, device=DEVICE)).float()
 positions = estimate.probe_positions(N, SEGMENT, PROBES, DEVICE).flatten()
 rows_q = q[:, :, positions]
@@ -58,15 +60,16 @@ scores = torch.einsum("hrd,hnd->hrn", rows_q[0], k[0].repeat_interleave(4, dim=0
 scores = scores.masked_fill(torch.arange(N, device=DEVICE) > positions[:, None], float("-inf"))
 true_lse = torch.stack([scores[..., c * width:(c + 1) * width].logsumexp(-1) for c in range(chunks)])   # [C, Hq, R]
 options = {"BACKEND": "TRITON"} if DEVICE == "cuda" else None     # the backend probe_mass_kernel runs on CUDA
-for name, block_mask in (("hand-built", hand), ("create_block_mask", built)):
-    out, aux = run(queries, key_chunks, values, block_mask=block_mask, scale=1 / math.sqrt(128),
+for name, block_mask, keys in (("hand-built, strided K", hand, strided_chunks), ("hand-built", hand, key_chunks),
+                               ("create_block_mask", built, key_chunks)):
+    out, aux = run(queries, keys, values, block_mask=block_mask, scale=1 / math.sqrt(128),
                    return_aux=AuxRequest(lse=True), enable_gqa=True, kernel_options=options)
     held = out.float().sum(-1)                                                                # [C, Hq, R]
     for c in range(chunks):
         rows = held[c][:, seen[c]]
         bad = (rows - 1).abs() > 1e-3
         where = positions[seen[c]][bad.any(0)]
-        print(f"{name:17s} chunk {c}: output mass {float(rows.min()):.4f}..{float(rows.max()):.4f}, "
+        print(f"{name:21s} chunk {c}: output mass {float(rows.min()):.4f}..{float(rows.max()):.4f}, "
               f"{int(bad.any(0).sum())} of {rows.shape[1]} rows off; max |lse - true| "
               f"{float((aux.lse[c].float() - true_lse[c])[:, seen[c]].abs().max()):.3g}; positions "
               f"{where[:6].tolist()}..{where[-3:].tolist()}; lse of unseen rows "

@@ -38,15 +38,20 @@ def positions_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     Returns:
         ``[B, Hq, R, M]`` in `compute_dtype`; keys after a query's position are 0. Memory ``O(B * Hq * R * M)``.
     """
+    probs = torch.softmax(_causal_logits(q, k, positions, scale, input_dtype_logits), dim=-1)
+    return rearrange(probs, "b h g i j -> b (h g) i j")
+
+
+def _causal_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
+                   input_dtype_logits: bool) -> torch.Tensor:
+    """Logits ``[B, Hkv, G, R, M]`` in `compute_dtype` of `positions_attention`, ``-inf`` after each query."""
     dtype = compute_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
-    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=group)
+    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=q.shape[1] // k.shape[1])
     if not input_dtype_logits:
         rows, k = rows.to(dtype), k.to(dtype)
     logits = torch.einsum("bhgid,bhjd->bhgij", rows, k).to(dtype) / (math.sqrt(q.shape[-1]) / scale)
     causal = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions[:, None]
-    probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), dim=-1)
-    return rearrange(probs, "b h g i j -> b (h g) i j")
+    return logits.masked_fill_(~causal, float("-inf"))
 
 
 def last_queries_attention(q: torch.Tensor, k: torch.Tensor, count: int) -> torch.Tensor:
@@ -150,12 +155,7 @@ def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, sca
     then a softmax over the blocks. Equal to summing the softmax over each block, but the scores are read once (a
     reduction over the ``block_size`` keys of a block, which a compiled graph keeps in registers) instead of once for
     the row's maximum, once for its sum and once for the block sums."""
-    dtype = compute_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
-    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=group)
-    logits = torch.einsum("bhgid,bhjd->bhgij", rows, k).to(dtype) / (math.sqrt(q.shape[-1]) / scale)
-    causal = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions[:, None]
-    logits = F.pad(logits.masked_fill(~causal, float("-inf")), (0, -k.shape[-2] % block_size), value=float("-inf"))
+    logits = F.pad(_causal_logits(q, k, positions, scale, True), (0, -k.shape[-2] % block_size), value=float("-inf"))
     blocks = rearrange(logits, "b h g i (c s) -> b h g i c s", s=block_size)
     peak = blocks.amax(dim=-1, keepdim=True)
     peak = peak.masked_fill(peak == float("-inf"), 0.0)                 # a block no probe sees: exp(-inf) = 0

@@ -19,7 +19,7 @@ def speed_config(**changes: object) -> fe.EntropyConfig:
     flexentropy configuration of the speed benchmarks on random weights.
 
     Random weights spread attention almost evenly, so the default coverage rule would keep most blocks there (it
-    keeps what a real model's attention holds: 22% of the blocks at 32k on Qwen2.5-Coder-1.5B, docs/quality.md);
+    keeps what a real model's attention holds: 19.5% of the blocks at 32k on Qwen2.5-Coder-1.5B, docs/quality.md);
     fixed budgets give the random model a density a real model reaches, and keep the probe's cost in the timing.
     """
     return fe.EntropyConfig(budget_rule="fluctuation", **changes)

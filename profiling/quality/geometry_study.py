@@ -26,7 +26,7 @@ from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
 from flexentropy.prefill.plan import causal_blocks  # noqa: E402
 
-GEOMETRIES = [(512, 128, 16), (256, 128, 16), (256, 64, 16), (512, 64, 16), (256, 64, 8), (128, 64, 8)]
+GEOMETRIES = [(512, 128, 16), (256, 128, 16), (256, 128, 8), (256, 64, 16), (512, 64, 16), (256, 64, 8), (128, 64, 8)]
 """(segment size, key block size, probes per segment)."""
 COVERAGES = (0.7, 0.8, 0.9)
 

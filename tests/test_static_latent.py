@@ -194,3 +194,27 @@ def test_warm_up_then_no_recompile() -> None:
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 30, compile_config=cpu_compile())
     assert torch.equal(got, expected)
+
+
+def test_a_user_compiled_model_decodes_phase_one_through_placeholders() -> None:
+    """``torch.compile(model)`` without ``generate``: phase-1 steps are traced, so their cache work runs eagerly
+    from inside the compiled forward and ``update`` returns placeholders; the tokens are the dynamic cache's."""
+
+    def loop(forward: nn.Module, model: nn.Module, ids: torch.Tensor, cache: object, steps: int) -> torch.Tensor:
+        keyword = cache_keyword(model)
+        with torch.no_grad():
+            token = forward(input_ids=ids, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens = [token]
+            for i in range(steps - 1):
+                position = torch.tensor([[ids.shape[1] + i]])
+                logits = forward(input_ids=token, **{keyword: cache}, use_cache=True, position_ids=position).logits
+                token = logits[:, -1:].argmax(-1)
+                tokens.append(token)
+        return torch.cat(tokens, dim=1)
+
+    model = model_for("llama", EVICTING)
+    ids = prompt(300)
+    expected = loop(model, model, ids, LatentKVCache(EVICTING), 30)
+    torch._dynamo.reset()
+    got = loop(torch.compile(model, backend="eager"), model, ids, StaticLatentKVCache(EVICTING, model=model), 30)
+    assert torch.equal(got, expected)

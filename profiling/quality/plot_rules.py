@@ -1,7 +1,7 @@
 """STUDY/rules.png: score against measured density (top) and measured prefill time (bottom) per prefill rule, one
-column per task, from the ``runs.csv`` of one
-or more studies (the eval report's own plot groups runs by policy name only, so it cannot tell the coverage variants
-of ``entropy`` apart). The segment size is read from the model label (``-seg256``: 256, else the 512 of those runs).
+column per task, from the ``runs.csv`` of one or more studies (the eval report's own plot groups runs by policy name
+only, so it cannot tell the coverage variants of ``entropy`` apart). The segment size is read from the model label
+(``-seg256`` in it: 256, else the 512 of those runs).
 
     python profiling/quality/plot_rules.py docs/results/qwen_h200_seg256 docs/results/qwen_h200_rules
 """
@@ -26,8 +26,9 @@ def label(row: dict[str, str]) -> str:
     spec = row["prefill"]
     name, knobs = parse_spec(spec)
     if name == "entropy" and "coverage" in knobs:
-        segments = 256 if row["model"].endswith("-seg256") else 512
-        return f"probe, coverage {knobs['coverage']}, segments {segments}"
+        segments = 256 if "-seg256" in row["model"] else 512
+        probes = f", {knobs['probes']} probes" if "probes" in knobs else ""
+        return f"probe, coverage {knobs['coverage']}, segments {segments}{probes}"
     if spec == "entropy":
         return f"paper's rule, B_0 {row['prefill_budget']}"
     return spec

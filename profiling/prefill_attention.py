@@ -44,8 +44,10 @@ def causal_flops(n: int, hq: int, d: int, b: int = 1) -> float:
 def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dict:
     dtype = getattr(torch, args.dtype)
     q, k, v = attention_inputs(1, args.hq, args.hkv, n, args.dim, dtype, device, kind=args.inputs)
-    cfg = speed_config(base_budget=args.budget, backend=args.backend, observation=args.observation)
-    row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget, "observation": args.observation}
+    cfg = speed_config(base_budget=args.budget, backend=args.backend, observation=args.observation,
+                       probe_kernel=args.probe_kernel)
+    row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget, "observation": args.observation,
+                 "probe_kernel": args.probe_kernel}
     gqa = args.hq != args.hkv
 
     def sdpa(backend: SDPBackend):
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe-chunks", type=int, nargs="*", default=[26],
                    help="probe observation: time its compiled scored path with chunks of 2^E scores, per E "
                         "(the library's PROBE_CHUNK_SCORES is 2^26)")
+    p.add_argument("--probe-kernel", action="store_true",
+                   help="the library's path (select_compiled_ms, sparse_total_ms) with probe_kernel=True")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="docs/results/prefill_attention.json")
     args = p.parse_args(argv)

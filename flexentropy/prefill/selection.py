@@ -185,7 +185,7 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig,
 
 def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, compiled: bool = False) -> torch.Tensor:
     return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,
-                        config.probes, compiled=compiled)
+                        config.probes, kernel=config.probe_kernel, compiled=compiled)
 
 
 def _plan_tensors(q: torch.Tensor, k: torch.Tensor,

@@ -119,9 +119,9 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
 
     Two ways to the same function: ``kernel=False`` (the default, what selection runs) scores probe rows in chunks of
     at most `PROBE_CHUNK_SCORES` (`positions_attention`, logits in the input dtype, softmax and sums in
-    `compute_dtype`; ``compiled=True`` scores each chunk in one compiled graph, which reads the scores back once per
-    pass instead of once per op: what selection runs on CUDA); ``kernel=True`` runs `probe_mass_kernel` (compiled
-    ``flex_attention`` on CUDA, no score stored; 7x faster at 128k on an H200, not yet validated there:
+    `compute_dtype`, summed per block through each block's log-sum-exp; ``compiled=True`` scores each chunk in one
+    compiled graph: what selection runs on CUDA); ``kernel=True`` runs `probe_mass_kernel` (compiled
+    ``flex_attention`` on CUDA, no score stored; 7x faster at 128k on an H200, where it still fails its check:
     docs/performance.md).
 
     Args:
@@ -159,7 +159,7 @@ def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, sca
     blocks = rearrange(logits, "b h g i (c s) -> b h g i c s", s=block_size)
     peak = blocks.amax(dim=-1, keepdim=True)
     peak = peak.masked_fill(peak == float("-inf"), 0.0)                 # a block no probe sees: exp(-inf) = 0
-    block_lse = (peak.squeeze(-1) + torch.exp(blocks - peak).sum(dim=-1).log())
+    block_lse = peak.squeeze(-1) + torch.exp(blocks - peak).sum(dim=-1).log()
     return rearrange(torch.softmax(block_lse, dim=-1), "b h g i c -> b (h g) i c")
 
 

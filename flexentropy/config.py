@@ -45,8 +45,9 @@ class EntropyConfig:
             ``"critiprefill"`` (paper: 1.0, no 1/sqrt(D)); the attention's own ``q.k / sqrt(D)`` for ``"probe"``.
         probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
         probe_kernel: compute the probes' block masses with compiled flex attention, no score stored
-            (`probe_mass_kernel`: 7x faster at 128k on an H200) instead of scoring them in chunks. Experimental and
-            off: on the H200 its masses still fall short of the scored path's (docs/performance.md).
+            (`probe_mass_kernel`), or (False) by scoring probe rows in chunks; the same masses. ``None`` (default):
+            the kernel on CUDA outside an enclosing ``torch.compile`` (48 against 155 ms per layer at 128k on an
+            H200, docs/performance.md), the scored path elsewhere.
         sink_blocks: leading key blocks every segment attends to.
         local_blocks: key blocks just before each segment that it always attends to.
         dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.
@@ -80,7 +81,7 @@ class EntropyConfig:
     observation: Literal["paper", "critiprefill", "probe"] = "probe"
     observation_scale: float = 1.0
     probes: int = 16
-    probe_kernel: bool = False
+    probe_kernel: bool | None = None
     sink_blocks: int = 1
     local_blocks: int = 0
     dense_prefix: int = 4096
@@ -125,9 +126,10 @@ class EntropyConfig:
         if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"EntropyConfig.dense_layers must be a tuple of layer indices >= 0, "
                              f"got {self.dense_layers!r}")
-        for name in ("dense_last_segment", "probe_kernel"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"EntropyConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.dense_last_segment, bool):
+            raise TypeError(f"EntropyConfig.dense_last_segment must be a bool, got {self.dense_last_segment!r}")
+        if not isinstance(self.probe_kernel, bool | None):
+            raise TypeError(f"EntropyConfig.probe_kernel must be a bool or None (auto), got {self.probe_kernel!r}")
         check_int(owner, "decode_window", self.decode_window, 1)
         check_int(owner, "decode_delay", self.decode_delay, 1)
         if self.decode_budget < self.decode_window:

@@ -13,6 +13,9 @@ import torch
 
 import flexentropy as fe
 
+PROBE_KERNEL = {"auto": None, "on": True, "off": False}
+"""``--probe-kernel`` choices of the benchmarks: `EntropyConfig.probe_kernel`'s values."""
+
 
 def speed_config(**changes: object) -> fe.EntropyConfig:
     """The default's probe observation with fixed per-head budgets (Alg. 3 from ``B_0 = base_budget``): the

@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, speed_config, sync, write_json  # noqa: E402
+from common import PROBE_KERNEL, environment, speed_config, sync, write_json  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -228,7 +228,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     cc = compile_config(device, args.compile_backend)
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
-    cfg = speed_config(decode_budget=args.budget, probe_kernel=args.probe_kernel)
+    cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
 
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
@@ -237,7 +237,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
                                 compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}", "n": n, "new_tokens": new, "total_s": seconds,
                 **clock.summary(cfg.decode_delay), "density": prefill_density(model),
-                "segment_size": cfg.segment_size, "probe_kernel": cfg.probe_kernel,
+                "segment_size": cfg.segment_size, "probe_kernel": args.probe_kernel,
                 "flash_attn": environment()["flash_attn"]}
 
     def run(fn: Callable[[], dict]) -> dict:
@@ -340,7 +340,7 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
         return agreement("greedy_identity_dense_control", *runs)
 
     def recompiles() -> dict:
-        cfg = speed_config(decode_budget=args.budget, probe_kernel=args.probe_kernel)
+        cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -426,8 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--compile-backend", default="inductor")
-    p.add_argument("--probe-kernel", action="store_true",
-                   help="e2e and checks: flexentropy with EntropyConfig(probe_kernel=True) (experimental)")
+    p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
+                   help="e2e and checks: EntropyConfig.probe_kernel (auto: the library's default, the kernel on CUDA)")
     p.add_argument("--out", default="docs/results/decode_static")
     args = p.parse_args(argv)
     device = torch.device(args.device)

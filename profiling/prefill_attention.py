@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import attention_inputs, environment, speed_config, time_ms, write_json  # noqa: E402
+from common import PROBE_KERNEL, attention_inputs, environment, speed_config, time_ms, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.prefill import estimate  # noqa: E402
@@ -45,7 +45,7 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
     dtype = getattr(torch, args.dtype)
     q, k, v = attention_inputs(1, args.hq, args.hkv, n, args.dim, dtype, device, kind=args.inputs)
     cfg = speed_config(base_budget=args.budget, backend=args.backend, observation=args.observation,
-                       probe_kernel=args.probe_kernel)
+                       probe_kernel=PROBE_KERNEL[args.probe_kernel])
     row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget, "observation": args.observation,
                  "probe_kernel": args.probe_kernel}
     gqa = args.hq != args.hkv
@@ -92,7 +92,7 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
     if cfg.observation == "probe":   # the probe's flex kernel (opt-in, probe_mass_kernel) against the scored path
         for exponent in args.probe_chunks:   # the compiled scored chunks (what selection runs on CUDA) per chunk size
             def compiled_observation(size: int = 2**exponent) -> torch.Tensor:
-                with patch.object(estimate, "PROBE_CHUNK_SCORES", size):
+                with patch.object(estimate, "PROBE_CHUNK_SCORES_COMPILED", size):
                     return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
                                         cfg.probes, False, True)
             stages[f"observation_compiled_2^{exponent}_ms"] = compiled_observation
@@ -135,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["auto", "triton", "flash"], default="auto")
     p.add_argument("--baselines", nargs="*", choices=["cudnn", "flash", "flex"], default=["cudnn", "flash", "flex"],
                    help="dense baselines to time")
-    p.add_argument("--probe-chunks", type=int, nargs="*", default=[26],
+    p.add_argument("--probe-chunks", type=int, nargs="*", default=[28],
                    help="probe observation: time its compiled scored path with chunks of 2^E scores, per E "
-                        "(the library's PROBE_CHUNK_SCORES is 2^26)")
-    p.add_argument("--probe-kernel", action="store_true",
-                   help="the library's path (select_compiled_ms, sparse_total_ms) with probe_kernel=True")
+                        "(the library's PROBE_CHUNK_SCORES_COMPILED is 2^28)")
+    p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
+                   help="EntropyConfig.probe_kernel of the library's path (select_compiled_ms, sparse_total_ms)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="docs/results/prefill_attention.json")
     args = p.parse_args(argv)

@@ -71,7 +71,7 @@ def test_config_defaults_are_the_spec() -> None:
         "paper", "fluctuation", 2048, 512)
     assert (cfg.sink_blocks, cfg.local_blocks, cfg.dense_prefix, cfg.dense_last_segment) == (1, 0, 4096, True)
     assert cfg.dense_layers == (0,)
-    assert cfg.probe_kernel is False     # experimental until it passes its GPU check
+    assert cfg.probe_kernel is None      # auto: the kernel on CUDA outside an enclosing compile
     assert (cfg.decode_budget, cfg.decode_window, cfg.decode_delay, cfg.decode_pool) == (1024, 32, 16, 5)
     assert (cfg.decode_score, cfg.recompress_every) == ("softmax", 32)  # the budget bounds memory (None: paper)
 
@@ -288,19 +288,20 @@ def test_cpu_autograd_gets_a_clear_error() -> None:
 
 def test_probe_kernel_knob_selects_the_same_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``probe_kernel=True`` routes the probe through `probe_mass_kernel` (eager flex off CUDA): same masses to float
-    rounding, so the same plan here."""
+    rounding, so the same plan here. The default (``None``, auto) takes the scored path on CPU."""
     from flexentropy.prefill import estimate
 
     calls = []
     kernel_fn = estimate.probe_mass_kernel
     monkeypatch.setattr(estimate, "probe_mass_kernel", lambda *a, **kw: calls.append(1) or kernel_fn(*a, **kw))
-    with pytest.raises(TypeError, match="probe_kernel must be a bool"):
+    with pytest.raises(TypeError, match="probe_kernel must be a bool or None"):
         EntropyConfig(probe_kernel=1)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 1500, 32, generator=gen)
     k = torch.randn(1, 2, 1500, 32, generator=gen) * 2
     cfg = EntropyConfig(segment_size=256, block_size=64, dense_prefix=256)
     scored = fe.select_blocks(q, k, cfg, compiled=False)
+    assert not calls                     # auto on CPU: the scored path
     kernel = fe.select_blocks(q, k, cfg.replace(probe_kernel=True), compiled=False)
     assert 0 < scored.density < 1
     assert calls and torch.equal(kernel.blocks, scored.blocks)

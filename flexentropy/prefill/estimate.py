@@ -89,7 +89,11 @@ def block_means(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 PROBE_CHUNK_SCORES = 2**26
-"""Most probe scores alive at once (256 MiB in float32): probe rows are scored in chunks."""
+"""Most probe scores alive at once in the eager scored path (256 MiB in float32): probe rows are scored in chunks."""
+
+PROBE_CHUNK_SCORES_COMPILED = 2**28
+"""The same for the compiled scored path, which reduces each block's scores in registers: 2**28 took it from 215 ms
+(2**26) to 155 ms per layer at 128k on an H200 (docs/results/probe_cost/probe_seg256.json)."""
 
 
 def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None
@@ -118,11 +122,11 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     masked); no ``N x N`` tensor.
 
     Two ways to the same function: ``kernel=False`` (the default, what selection runs) scores probe rows in chunks of
-    at most `PROBE_CHUNK_SCORES` (`positions_attention`, logits in the input dtype, softmax and sums in
-    `compute_dtype`, summed per block through each block's log-sum-exp; ``compiled=True`` scores each chunk in one
-    compiled graph: what selection runs on CUDA); ``kernel=True`` runs `probe_mass_kernel` (compiled
-    ``flex_attention`` on CUDA, no score stored; 7x faster at 128k on an H200, where it still fails its check:
-    docs/performance.md).
+    at most `PROBE_CHUNK_SCORES` scores (`PROBE_CHUNK_SCORES_COMPILED` compiled; `positions_attention`, logits in the
+    input dtype, softmax and sums in `compute_dtype`, summed per block through each block's log-sum-exp;
+    ``compiled=True`` scores each chunk in one compiled graph: what selection runs on CUDA); ``kernel=True`` runs
+    `probe_mass_kernel` (compiled ``flex_attention`` on CUDA, no score stored; at 128k on an H200, 48 ms per layer
+    against the compiled scored path's 155 ms: docs/performance.md).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
@@ -135,7 +139,8 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     batch, q_heads, n, _ = q.shape
     positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
     num_blocks = -(-n // block_size)
-    per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * n) // probes * probes)
+    limit = PROBE_CHUNK_SCORES_COMPILED if compiled else PROBE_CHUNK_SCORES
+    per_chunk = max(probes, limit // (batch * q_heads * n) // probes * probes)
     score = _compiled_scored_chunk if compiled else _scored_chunk
     masses = []
     with no_silent_fallback() if compiled else contextlib.nullcontext():
@@ -170,26 +175,30 @@ PROBE_KERNEL_OUTPUTS = 2**27
 """Most probe-mass kernel outputs alive at once (256 MiB in 16-bit): probe rows go through in chunks."""
 
 
-def _probe_block_mask(rows: int, row0: torch.Tensor, chunks: int, width: int, segment_size: int, stride: int,
-                      last: int, batch: int) -> BlockMask:
+def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_size: int, stride: int, last: int,
+                      batch: int, device: torch.device) -> BlockMask:
     """BlockMask of the probe-mass kernel: batch entry ``b * chunks + c`` holds key chunk ``c``; probe row ``i``
-    (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`)."""
+    (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`).
+
+    Built eagerly, outside the compiled kernel: built inside a compiled graph with dynamic shapes it made the H200
+    lose up to 28% of a probe's mass (docs/performance.md). The ``mask_mod`` reads its sizes from device tensors
+    filled without a host-to-device copy, so the compiled kernel neither recompiles per length nor syncs."""
     probes = segment_size // stride
-    # the mask reads its sizes from a device tensor: compiled flex cannot lower symbolic Python scalars in a mask_mod
-    sizes = torch.tensor([probes, segment_size, stride, last, chunks, width], device=row0.device)
+    sizes = torch.stack([torch.full((), value, dtype=torch.int64, device=device)       # fills: no host copy, no sync
+                         for value in (probes, segment_size, stride, last, chunks, width, row0)])
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return probe_row_position(row0 + q_idx, *sizes[:4]) >= (b % sizes[4]) * sizes[5] + kv_idx
+        return probe_row_position(sizes[6] + q_idx, *sizes[:4]) >= (b % sizes[4]) * sizes[5] + kv_idx
 
     q_blocks, kv_blocks = -(-rows // Q_BLOCK_SIZE), width // Q_BLOCK_SIZE
-    first = torch.arange(q_blocks, device=row0.device) * Q_BLOCK_SIZE
-    lo = probe_row_position(row0 + first, probes, segment_size, stride, last)     # [Qb] positions ascend with rows
-    hi = probe_row_position(row0 + torch.clamp(first + Q_BLOCK_SIZE, max=rows) - 1, probes, segment_size, stride,
+    first = row0 + torch.arange(q_blocks, device=device) * Q_BLOCK_SIZE
+    lo = probe_row_position(first, probes, segment_size, stride, last)        # [Qb] positions ascend with rows
+    hi = probe_row_position(torch.clamp(first + Q_BLOCK_SIZE, max=row0 + rows) - 1, probes, segment_size, stride,
                             last)
-    start = (torch.arange(batch * chunks, device=row0.device) % chunks)[:, None] * width      # [B*C, 1]
+    start = (torch.arange(batch * chunks, device=device) % chunks)[:, None] * width              # [B*C, 1]
     full = torch.clamp((lo[None] - start + 1) // Q_BLOCK_SIZE, 0, kv_blocks).to(torch.int32)  # [B*C, Qb]
     seen = torch.clamp(hi[None] - start + Q_BLOCK_SIZE, 0, kv_blocks * Q_BLOCK_SIZE) // Q_BLOCK_SIZE
-    j = torch.arange(kv_blocks, device=row0.device, dtype=torch.int32)
+    j = torch.arange(kv_blocks, device=device, dtype=torch.int32)
     partial_idx = torch.clamp(full[..., None] + j, max=kv_blocks - 1)
     return BlockMask.from_kv_blocks(
         (seen.to(torch.int32) - full)[:, None], partial_idx[:, None].contiguous(), full[:, None],
@@ -197,21 +206,7 @@ def _probe_block_mask(rows: int, row0: torch.Tensor, chunks: int, width: int, se
         BLOCK_SIZE=(Q_BLOCK_SIZE, Q_BLOCK_SIZE), mask_mod=mask_mod, seq_lengths=(rows, width), compute_q_blocks=False)
 
 
-def _probe_mass_chunk(rows_q: torch.Tensor, key_chunks: torch.Tensor, one_hot: torch.Tensor, row0: torch.Tensor,
-                      segment_size: int, stride: int, last: int, scale: float,
-                      options: dict[str, object] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, q_heads, rows, _ = rows_q.shape
-    chunks, width = key_chunks.shape[0] // batch, key_chunks.shape[-2]
-    block_mask = _probe_block_mask(rows, row0, chunks, width, segment_size, stride, last, batch)
-    queries = rows_q.repeat_interleave(chunks, dim=0)                       # [B*C, Hq, R, D]
-    values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1).contiguous()   # no stride-0 dims
-    out, aux = flex_attention(queries, key_chunks, values, block_mask=block_mask, scale=scale,
-                              return_aux=AuxRequest(lse=True), enable_gqa=q_heads != key_chunks.shape[1],
-                              kernel_options=options)
-    return out, aux.lse
-
-
-_compiled_probe_mass_chunk = torch.compile(_probe_mass_chunk, dynamic=True, fullgraph=True)
+_compiled_flex = torch.compile(flex_attention, dynamic=True)
 
 
 def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
@@ -233,8 +228,6 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     chunks = -(-n // width)
     num_blocks = -(-n // block_size)
     dtype = q.dtype
-    # contiguous: the stacked chunks of a strided view would reach the kernel with batch and head strides unlike the
-    # values' (one suspect of the GPU check's lost mass, docs/performance.md)
     key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> (b c) h w d", w=width).contiguous()
     block = torch.arange(width, device=q.device) // block_size
     one_hot = (block[:, None] == torch.arange(dim, device=q.device)).to(dtype)      # [W, D]
@@ -243,17 +236,20 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * dim) // probes * probes)
     # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
     options = {"BACKEND": "TRITON"} if q.is_cuda else None
+    values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1).contiguous()   # no stride-0 dims
     masses = []
-    run = _compiled_probe_mass_chunk if compiled else _probe_mass_chunk
+    run = _compiled_flex if compiled else flex_attention
     with no_silent_fallback():
         for start in range(0, total, per_call):
             stop = min(start + per_call, total)
-            out, lse = run(
-                q[:, :, positions[start:stop]], key_chunks, one_hot,
-                torch.tensor(start, device=q.device), segment_size, segment_size // probes, n - 1,
-                1.0 / (math.sqrt(dim) / scale), options)
-            # a chunk that starts after a probe is not read for it: the Triton kernel reports a log-sum-exp of 0 (not
-            # -inf) for a row with no visible key, which would take a share of the merge
+            block_mask = _probe_block_mask(stop - start, start, chunks, width, segment_size, segment_size // probes,
+                                           n - 1, batch, q.device)
+            queries = q[:, :, positions[start:stop]].repeat_interleave(chunks, dim=0)          # [B*C, Hq, R, D]
+            out, aux = run(queries, key_chunks, values, block_mask=block_mask, scale=scale / math.sqrt(dim),
+                           return_aux=AuxRequest(lse=True), enable_gqa=q_heads != key_chunks.shape[1],
+                           kernel_options=options)
+            lse = aux.lse
+            # a chunk that starts after a probe is not read for it: out of the merge, whatever the kernel reports
             seen = (positions[start:stop][None, :] >= torch.arange(chunks, device=q.device)[:, None] * width)
             seen = seen[None, :, None]                                                      # [1, C, 1, R]
             out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)

@@ -184,8 +184,11 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig,
 
 
 def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, compiled: bool = False) -> torch.Tensor:
+    kernel = config.probe_kernel
+    if kernel is None:   # auto: the kernel builds its BlockMask eagerly, so not inside an enclosing compiled graph
+        kernel = q.is_cuda and not torch.compiler.is_compiling()
     return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,
-                        config.probes, kernel=config.probe_kernel, compiled=compiled)
+                        config.probes, kernel=kernel, compiled=compiled)
 
 
 def _plan_tensors(q: torch.Tensor, k: torch.Tensor,

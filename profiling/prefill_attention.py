@@ -89,7 +89,7 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
         "select_compiled_ms": lambda: fe.select_blocks(q, k, cfg),
         "sparse_kernel_ms": lambda: run_plan(q, k, v, plan, backend=args.backend),
     }
-    if cfg.observation == "probe":   # the probe's flex kernel (opt-in, probe_mass_kernel) against the scored path
+    if cfg.observation == "probe":   # the probe kernel (probe_mass_kernel) against the compiled scored path
         for exponent in args.probe_chunks:   # the compiled scored chunks (what selection runs on CUDA) per chunk size
             def compiled_observation(size: int = 2**exponent) -> torch.Tensor:
                 with patch.object(estimate, "PROBE_CHUNK_SCORES_COMPILED", size):

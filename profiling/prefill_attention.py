@@ -98,6 +98,13 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
             stages[f"observation_compiled_2^{exponent}_ms"] = compiled_observation
         stages["observation_kernel_ms"] = lambda: _observation(q, k, cfg.segment_size, cfg.block_size, "probe",
                                                                cfg.observation_scale, cfg.probes, True)
+        for width in args.probe_value_dims:   # the kernel with narrower one-hot values (more, shorter key chunks)
+            def narrow_kernel(value_dim: int = width) -> torch.Tensor:
+                with patch.object(estimate, "PROBE_VALUE_DIM", value_dim):
+                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
+                                        cfg.probes, True)
+            stages[f"observation_kernel_v{width}_ms"] = narrow_kernel
+            row[f"probe_kernel_v{width}_max_abs_diff"] = float((a_obs - narrow_kernel()).abs().max())
         row["probe_kernel_max_abs_diff"] = float((a_obs - stages["observation_kernel_ms"]()).abs().max())
     for name, fn in stages.items():
         row[name] = time_ms(fn, device, reps=reps)
@@ -138,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe-chunks", type=int, nargs="*", default=[28],
                    help="probe observation: time its compiled scored path with chunks of 2^E scores, per E "
                         "(the library's PROBE_CHUNK_SCORES_COMPILED is 2^28)")
+    p.add_argument("--probe-value-dims", type=int, nargs="*", default=[],
+                   help="probe observation: also time its kernel with one-hot values of these widths "
+                        "(estimate.PROBE_VALUE_DIM; the library's is the head dim)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
                    help="EntropyConfig.probe_kernel of the library's path (select_compiled_ms, sparse_total_ms)")
     p.add_argument("--device", default="cuda")

@@ -265,18 +265,21 @@ def test_cuda_compiled_matches_reference(dtype: torch.dtype, block: int, d: int)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("n", "segment", "dtype", "outputs"), [
-    (20000, 512, torch.float32, None), (20000, 256, torch.float32, 2**16), (9000, 256, torch.bfloat16, 2**16)])
+@pytest.mark.parametrize(("n", "segment", "dtype", "outputs", "value_dim"), [
+    (20000, 512, torch.float32, None, None), (20000, 256, torch.float32, 2**16, None),
+    (9000, 256, torch.bfloat16, 2**16, None), (20000, 256, torch.float32, None, 32)])
 def test_cuda_probe_kernel_matches_the_scored_path(n: int, segment: int, dtype: torch.dtype, outputs: int | None,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   value_dim: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled probe kernel (the CUDA default) against the compiled scored path: the same masses, rows summing
-    to 1, with one kernel call and several (small ``PROBE_KERNEL_OUTPUTS``: calls that start at a row other than 0).
+    to 1, with one kernel call and several (small ``PROBE_KERNEL_OUTPUTS``: calls that start at a row other than 0),
+    and with values narrower than the head dim (``PROBE_VALUE_DIM``).
     Until session 9 the kernel lost up to 28% of a probe's mass on the H200 (its BlockMask built inside the compiled
     graph); ``profiling/quality/probe_kernel_check.py`` is the same check as a script."""
     from flexentropy.prefill import estimate
 
     if outputs:
         monkeypatch.setattr(estimate, "PROBE_KERNEL_OUTPUTS", outputs)
+    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", value_dim)
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(1, 8, n, 128, device="cuda", generator=gen).to(dtype)
     k = torch.randn(1, 2, n, 128, device="cuda", generator=gen).to(dtype)
@@ -322,12 +325,14 @@ def test_triton_tile_fits_a_64_key_block() -> None:
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 1400), dim=st.sampled_from([16, 32]), group=st.sampled_from([1, 2]),
        probes=st.sampled_from([4, 16]), block=st.sampled_from([64, 128]), scale=st.sampled_from([0.5, 1.0]),
-       outputs=st.sampled_from([2**12, 2**27]), seed=st.integers(0, 2**16))
+       outputs=st.sampled_from([2**12, 2**27]), value_dim=st.sampled_from([None, 16]), seed=st.integers(0, 2**16))
 def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, probes: int, block: int,
-                                                 scale: float, outputs: int, seed: int) -> None:
-    """The flex probe kernel (one-hot values over key chunks of D blocks, merged by log-sum-exp; run eagerly here)
+                                                 scale: float, outputs: int, value_dim: int | None,
+                                                 seed: int) -> None:
+    """The flex probe kernel (one-hot values over key chunks of V blocks, merged by log-sum-exp; run eagerly here)
     is `probe_block_mass`'s scored path and, on the candidate blocks, `reference.prefill.probe_observation`: several key
-    chunks (D * block < N), GQA, ragged N, and several calls over probe rows (a small output cap)."""
+    chunks (V * block < N), GQA, ragged N, several calls over probe rows (a small output cap), and values narrower
+    than the head dim (`PROBE_VALUE_DIM`)."""
     from flexentropy.prefill import estimate
 
     gen = torch.Generator().manual_seed(seed)
@@ -335,6 +340,7 @@ def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, p
     k = torch.randn(1, 2, n, dim, generator=gen) * 2
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(estimate, "PROBE_KERNEL_OUTPUTS", outputs)
+        patch.setattr(estimate, "PROBE_VALUE_DIM", value_dim)
         warnings.simplefilter("ignore", UserWarning)   # eager flex: "called without torch.compile()"
         fast = estimate.probe_mass_kernel(q, k, 256, block, probes, scale, compiled=False)
     slow = estimate.probe_block_mass(q, k, 256, block, probes, scale, kernel=False)

@@ -174,6 +174,12 @@ _compiled_scored_chunk = torch.compile(_scored_chunk, dynamic=True, fullgraph=Tr
 PROBE_KERNEL_OUTPUTS = 2**27
 """Most probe-mass kernel outputs alive at once (256 MiB in 16-bit): probe rows go through in chunks."""
 
+PROBE_VALUE_DIM: int | None = None
+"""Key blocks per chunk of the probe-mass kernel, which is the width of its one-hot values (a power of 2, at least
+16); None: the head dim. A narrower value halves the kernel's ``P V`` work per halving, for more chunks (the
+probe queries are repeated once per chunk). Timed per width by ``profiling/prefill_attention.py
+--probe-value-dims``."""
+
 
 def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_size: int, stride: int, last: int,
                       batch: int, device: torch.device) -> BlockMask:
@@ -213,7 +219,8 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
                       scale: float = 1.0, *, compiled: bool = True) -> torch.Tensor:
     """`probe_block_mass` through compiled ``flex_attention``, with no score stored.
 
-    The keys are cut into chunks of ``W = D * block_size`` (``D`` key blocks each), stacked on the batch dim; every
+    The keys are cut into chunks of ``W = V * block_size`` (``V`` key blocks each: `PROBE_VALUE_DIM`, default the
+    head dim ``D``), stacked on the batch dim; every
     probe row attends each chunk with one-hot values (column ``c`` is 1 on the keys of the chunk's block ``c``),
     so the kernel's output is the probe's mass per block *within* the chunk, and its log-sum-exp the chunk's share:
     ``mass = out * exp(lse_chunk - logsumexp_chunks(lse))``. Memory ``O(B * Hq * rows * N / block_size)`` per call.
@@ -224,16 +231,17 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         ``[B, Hq, C_S, C_B]`` float32.
     """
     batch, q_heads, n, dim = q.shape
-    width = dim * block_size
+    value_dim = PROBE_VALUE_DIM or dim
+    width = value_dim * block_size
     chunks = -(-n // width)
     num_blocks = -(-n // block_size)
     dtype = q.dtype
     key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> (b c) h w d", w=width).contiguous()
     block = torch.arange(width, device=q.device) // block_size
-    one_hot = (block[:, None] == torch.arange(dim, device=q.device)).to(dtype)      # [W, D]
+    one_hot = (block[:, None] == torch.arange(value_dim, device=q.device)).to(dtype)      # [W, V]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()
     total = positions.shape[0]
-    per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * dim) // probes * probes)
+    per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * value_dim) // probes * probes)
     # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
     options = {"BACKEND": "TRITON"} if q.is_cuda else None
     values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1).contiguous()   # no stride-0 dims

@@ -46,8 +46,8 @@ class EntropyConfig:
         probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
         probe_kernel: compute the probes' block masses with compiled flex attention, no score stored
             (`probe_mass_kernel`), or (False) by scoring probe rows in chunks; the same masses. ``None`` (default):
-            the kernel on CUDA outside an enclosing ``torch.compile`` (48 against 155 ms per layer at 128k on an
-            H200, docs/performance.md), the scored path elsewhere.
+            the kernel on CUDA outside an enclosing ``torch.compile`` (about 3x faster than the scored path at 128k
+            on an H200, docs/performance.md), the scored path elsewhere.
         sink_blocks: leading key blocks every segment attends to.
         local_blocks: key blocks just before each segment that it always attends to.
         dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.

@@ -121,12 +121,12 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     Compute ``~N^2 D probes / (2 L_S)`` multiply-adds per head (``probes / L_S`` of dense ``QK^T``, half of it
     masked); no ``N x N`` tensor.
 
-    Two ways to the same function: ``kernel=False`` (the default, what selection runs) scores probe rows in chunks of
+    Two ways to the same function: ``kernel=False`` (this function's default) scores probe rows in chunks of
     at most `PROBE_CHUNK_SCORES` scores (`PROBE_CHUNK_SCORES_COMPILED` compiled; `positions_attention`, logits in the
     input dtype, softmax and sums in `compute_dtype`, summed per block through each block's log-sum-exp;
-    ``compiled=True`` scores each chunk in one compiled graph: what selection runs on CUDA); ``kernel=True`` runs
-    `probe_mass_kernel` (compiled ``flex_attention`` on CUDA, no score stored; at 128k on an H200, 48 ms per layer
-    against the compiled scored path's 155 ms: docs/performance.md).
+    ``compiled=True`` scores each chunk in one compiled graph); ``kernel=True`` runs `probe_mass_kernel` (compiled
+    ``flex_attention`` on CUDA, no score stored; about 3x faster than the compiled scored path at 128k on an H200,
+    docs/performance.md). Selection takes the kernel on CUDA by default (`EntropyConfig.probe_kernel`).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.

@@ -14,8 +14,9 @@ Two phases per layer (design.md §2):
 
 Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
 *before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before
-every forward: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it (outside
-any compiled region: the hook is excluded from tracing); a plain decoding loop calls it itself
+every forward: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it eagerly,
+and transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces
+to nothing and the step is one graph); a plain decoding loop calls it itself
 (`flexentropy.runtime.decoding.greedy_decode`). Decisions are therefore taken before the step's queries are handed
 over (transformers' attention order: ``update`` before the queries), so for an attention that hands its queries over
 before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with `LatentKVCache`.
@@ -29,7 +30,8 @@ search (``reorder_cache``) is not supported.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -237,6 +239,7 @@ class StaticLatentKVCache(LatentKVCache):
         self.slot = torch.zeros(1, dtype=torch.long)
         self.position = torch.zeros((), dtype=torch.long)
         self._share_counters()
+        self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
         if model is not None:
             attach_prepare_hook(model)
 
@@ -269,6 +272,18 @@ class StaticLatentKVCache(LatentKVCache):
             self._share_counters()
         self.slot.fill_(slots.pop())
         self.position.fill_(layers[0].seen - q_len)
+
+    @contextlib.contextmanager
+    def prepared(self, q_len: int) -> Iterator[None]:
+        """Run `prepare` now, and let the forward inside the block skip it: the decoder's pre-hook then traces to
+        nothing, so a compiled static step is one graph (an eager hook inside it would break it in two, each
+        entered, guarded and replayed separately at every step)."""
+        self.prepare(q_len)
+        self._prepared = True
+        try:
+            yield
+        finally:
+            self._prepared = False
 
     @property
     def is_static(self) -> bool:
@@ -323,21 +338,24 @@ class StaticLatentKVCache(LatentKVCache):
         return layer.get_seq_length()
 
 
+def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Tokens in a decoder call's input (``input_ids`` or ``inputs_embeds``, keyword or first positional)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
+
+
 def attach_prepare_hook(model: nn.Module) -> None:
     """Register, once, a forward pre-hook on ``model``'s decoder that calls ``cache.prepare(q_len)`` for a
-    `StaticLatentKVCache` passed to it, excluded from compilation (it runs eagerly before a compiled forward)."""
+    `StaticLatentKVCache` passed to it, outside any compiled region (a graph break in a traced forward), unless the
+    caller already did (`StaticLatentKVCache.prepared`: then the hook traces to nothing)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if getattr(decoder, _HOOK_ATTR, None) is not None:
         return
 
-    @torch.compiler.disable
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = cache_argument(kwargs)
-        if isinstance(cache, StaticLatentKVCache):
-            tokens = kwargs.get("input_ids", args[0] if args else None)
-            if tokens is None:
-                tokens = kwargs["inputs_embeds"]
-            cache.prepare(tokens.shape[1])
+        if isinstance(cache, StaticLatentKVCache) and not cache._prepared:
+            _eager(cache.prepare, _query_length(args, kwargs))
 
     setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(hook, with_kwargs=True))
     route_phase_one_eagerly(model)
@@ -360,9 +378,12 @@ def route_phase_one_eagerly(model: nn.Module) -> None:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             cache = cache_argument(kwargs)
-            if isinstance(cache, StaticLatentKVCache) and not cache.is_static:
+            if not isinstance(cache, StaticLatentKVCache):
+                return compiled(*args, **kwargs)
+            if not cache.is_static:
                 return model(*args, **kwargs)
-            return compiled(*args, **kwargs)
+            with cache.prepared(_query_length(args, kwargs)):
+                return compiled(*args, **kwargs)
 
         return call
 

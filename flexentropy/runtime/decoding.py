@@ -8,6 +8,7 @@ CUDA graphs; CPU: plain ``torch.compile``); the eager work of each step (the cac
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,14 +45,13 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
     check_int("greedy_decode", "steps", steps, 1)
     if tokens.dim() != 2 or tokens.shape[1] != 1:
         raise ValueError(f"greedy_decode expects tokens [B, 1], got {list(tokens.shape)}")
-    prepare = getattr(cache, "prepare", None)
+    prepared = getattr(cache, "prepared", None)
     positions = torch.full_like(tokens, position)
     out = []
     for _ in range(steps):
-        if prepare is not None:
-            prepare(1)
-        run = compiled if compiled is not None and getattr(cache, "is_static", False) else step
-        tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
+        with prepared(1) if prepared is not None else contextlib.nullcontext():
+            run = compiled if compiled is not None and getattr(cache, "is_static", False) else step
+            tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
         out.append(tokens)
         positions = positions + 1
     return torch.cat(out, dim=1)

@@ -101,6 +101,29 @@ def test_memory_bounded_and_shapes_static() -> None:
     assert cache.stored_length(1) <= cache.capacity
 
 
+def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
+    """Phase 1 holds the whole prompt: its one-token appends write into slots reserved past the prompt (the keys
+    keep their address; a copy of every entry per step reads and writes 16 GiB at 128k on an 8B model), and the
+    prompt-sized buffers are dropped at the switch to the static buffers."""
+    model = model_for("llama", EVICTING)
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    layer = cache.layers[1]
+    phase_one: list[tuple[int, int]] = []
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if not layer.static:
+            phase_one.append((layer.keys.data_ptr(), layer.keys.shape[-2]))
+
+    handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
+    try:
+        greedy(model, prompt(300), cache, 12, disable_compile=True)
+    finally:
+        handle.remove()
+    assert [length for _, length in phase_one] == list(range(300, 300 + EVICTING.decode_delay + 1))
+    assert len({address for address, _ in phase_one}) == 1
+    assert layer.static and not layer._spare
+
+
 def test_validation() -> None:
     with pytest.raises(ValueError, match="recompress_every"):
         StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)

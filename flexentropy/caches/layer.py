@@ -53,6 +53,9 @@ class PolicyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False  # an eviction cannot be rolled back
+    reserve = 0
+    """Slots allocated past the stored entries, so that the next appends write in place; 0: every append copies the
+    stored entries (``torch.cat``)."""
 
     def __init__(self, policy: CachePolicy, layer_idx: int, owner: str = "PolicyCache",
                  num_layers: int | None = None) -> None:
@@ -75,6 +78,7 @@ class PolicyLayer(CacheLayerMixin):
         self._longest = 0  # entries of the longest head of the ragged part (kept on the host: no sync per step)
         self.window: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # keys/values with `reserve` free slots (`_append`)
         self._pending: list[tuple[torch.Tensor, int]] = []
         self.seen = 0
         self.observed = 0
@@ -212,8 +216,8 @@ class PolicyLayer(CacheLayerMixin):
         self.previous_generated = self.generated if self.prompt_length is not None else None
         if self.prompt_length is None:
             self.prompt_length = q_len
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys = self._append("keys", self.keys, key_states)
+        self.values = self._append("values", self.values, value_states)
         for name, fill in policy.stats.items():
             new = self.stats[name].new_full((*key_states.shape[:2], q_len), fill)
             self.stats[name] = torch.cat([self.stats[name], new], dim=-1)
@@ -221,6 +225,21 @@ class PolicyLayer(CacheLayerMixin):
         result = self._readable()
         self.settle()
         return result
+
+    def _append(self, name: str, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer, and the next
+        append writes into its free slots in place when ``stored`` is still that front (no eviction in between)."""
+        if not self.reserve:
+            return torch.cat([stored, new], dim=-2)
+        used, total = stored.shape[-2], stored.shape[-2] + new.shape[-2]
+        buffer = self._spare.get(name)
+        if (buffer is None or total > buffer.shape[-2] or stored.data_ptr() != buffer.data_ptr()
+                or stored.stride() != buffer.stride() or stored.shape[:2] != buffer.shape[:2]):
+            buffer = stored.new_empty(*stored.shape[:2], total + self.reserve, stored.shape[-1])
+            buffer[:, :, :used].copy_(stored)
+            self._spare[name] = buffer
+        buffer[:, :, used:total].copy_(new)
+        return buffer[:, :, :total]
 
     def missing_queries(self) -> None:
         """Raise: the layer stored a forward's keys but was handed none of its queries."""

@@ -70,6 +70,8 @@ class StaticLatentLayer(PolicyLayer):
         self.buffers: dict[str, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
         self.capacity = self.policy.budget + self.policy.recompress_every
+        # phase 1 appends one token a step to the whole prompt's entries: in place, not a copy of them per step
+        self.reserve = self.policy.delay
         self.slot: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
 
@@ -105,6 +107,7 @@ class StaticLatentLayer(PolicyLayer):
         self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
         self.static = True
         self._store(self.keys, self.values)
+        self._spare.clear()   # phase 1's prompt-sized buffers
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the compact ``keys``/``values`` ``[B, Hkv, S, D]`` to the buffers' front; mark their real entries."""

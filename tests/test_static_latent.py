@@ -122,6 +122,17 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
     assert [length for _, length in phase_one] == list(range(300, 300 + EVICTING.decode_delay + 1))
     assert len({address for address, _ in phase_one}) == 1
     assert layer.static and not layer._spare
+    # the prompt's attention reads the prompt's own keys (contiguous: the sparse kernel's strides stay those of q),
+    # a phase-1 step the entries so far
+    direct = StaticLatentKVCache(EVICTING, num_layers=1)
+    keys, values = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    direct.observe_queries(torch.randn(1, 4, 300, 16), 0)
+    assert all(got is given for got, given in zip(direct.update(keys, values, 0), (keys, values), strict=True))
+    step = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    direct.observe_queries(torch.randn(1, 4, 1, 16), 0)
+    got = direct.update(*step, 0)
+    for read, before, new in zip(got, (keys, values), step, strict=True):
+        assert torch.equal(read, torch.cat([before, new], dim=-2))
 
 
 def test_validation() -> None:

@@ -12,7 +12,9 @@ Times (median, CUDA events, after warm-up): cuDNN SDPA, SDPA flash, compiled den
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
 
@@ -90,22 +92,21 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
         "sparse_kernel_ms": lambda: run_plan(q, k, v, plan, backend=args.backend),
     }
     if cfg.observation == "probe":   # the probe kernel (probe_mass_kernel) against the compiled scored path
+        def probe(kernel: bool, constant: str | None = None, value: int | None = None) -> Callable[[], torch.Tensor]:
+            """The probe observation by the kernel or the compiled scored path, with ``estimate.<constant>`` set."""
+            def run() -> torch.Tensor:
+                with patch.object(estimate, constant, value) if constant else contextlib.nullcontext():
+                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
+                                        cfg.probes, kernel, True)
+            return run
+
         for exponent in args.probe_chunks:   # the compiled scored chunks (what selection runs on CUDA) per chunk size
-            def compiled_observation(size: int = 2**exponent) -> torch.Tensor:
-                with patch.object(estimate, "PROBE_CHUNK_SCORES_COMPILED", size):
-                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
-                                        cfg.probes, False, True)
-            stages[f"observation_compiled_2^{exponent}_ms"] = compiled_observation
-        stages["observation_kernel_ms"] = lambda: _observation(q, k, cfg.segment_size, cfg.block_size, "probe",
-                                                               cfg.observation_scale, cfg.probes, True)
-        for width in args.probe_value_dims:   # the kernel with narrower one-hot values (more, shorter key chunks)
-            def narrow_kernel(value_dim: int = width) -> torch.Tensor:
-                with patch.object(estimate, "PROBE_VALUE_DIM", value_dim):
-                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
-                                        cfg.probes, True)
-            stages[f"observation_kernel_v{width}_ms"] = narrow_kernel
-            row[f"probe_kernel_v{width}_max_abs_diff"] = float((a_obs - narrow_kernel()).abs().max())
-        row["probe_kernel_max_abs_diff"] = float((a_obs - stages["observation_kernel_ms"]()).abs().max())
+            stages[f"observation_compiled_2^{exponent}_ms"] = probe(False, "PROBE_CHUNK_SCORES_COMPILED", 2**exponent)
+        kernels = {"": probe(True)} | {f"_v{width}": probe(True, "PROBE_VALUE_DIM", width)   # narrower one-hot values
+                                       for width in args.probe_value_dims}
+        for suffix, kernel in kernels.items():
+            stages[f"observation_kernel{suffix}_ms"] = kernel
+            row[f"probe_kernel{suffix}_max_abs_diff"] = float((a_obs - kernel()).abs().max())
     for name, fn in stages.items():
         row[name] = time_ms(fn, device, reps=reps)
     row["sparse_total_ms"] = time_ms(lambda: fe.sparse_prefill_attention(q, k, v, cfg), device, reps=reps)

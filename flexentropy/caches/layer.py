@@ -216,14 +216,14 @@ class PolicyLayer(CacheLayerMixin):
         self.previous_generated = self.generated if self.prompt_length is not None else None
         if self.prompt_length is None:
             self.prompt_length = q_len
-        prompt = self.reserve > 0 and self.keys.shape[-2] == 0   # its attention reads its own (contiguous) keys
+        prompt = self.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
         self.keys = self._append("keys", self.keys, key_states)
         self.values = self._append("values", self.values, value_states)
         for name, fill in policy.stats.items():
             new = self.stats[name].new_full((*key_states.shape[:2], q_len), fill)
             self.stats[name] = torch.cat([self.stats[name], new], dim=-1)
         self.seen += q_len
-        result = (key_states, value_states) if prompt and self.ragged is None else self._readable()
+        result = (key_states, value_states) if prompt else self._readable()
         self.settle()
         return result
 

@@ -220,12 +220,11 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     """`probe_block_mass` through compiled ``flex_attention``, with no score stored.
 
     The keys are cut into chunks of ``W = V * block_size`` (``V`` key blocks each: `PROBE_VALUE_DIM`, default the
-    head dim ``D``), stacked on the batch dim; every
-    probe row attends each chunk with one-hot values (column ``c`` is 1 on the keys of the chunk's block ``c``),
-    so the kernel's output is the probe's mass per block *within* the chunk, and its log-sum-exp the chunk's share:
-    ``mass = out * exp(lse_chunk - logsumexp_chunks(lse))``. Memory ``O(B * Hq * rows * N / block_size)`` per call.
-    ``compiled=False`` runs eager flex (every score evaluated: tests and small N only; torch's compiled CPU flex
-    cannot return the log-sum-exp).
+    head dim ``D``), stacked on the batch dim; every probe row attends each chunk with one-hot values (column ``c``
+    is 1 on the keys of the chunk's block ``c``), so the kernel's output is the probe's mass per block *within* the
+    chunk, and its log-sum-exp the chunk's share: ``mass = out * exp(lse_chunk - logsumexp_chunks(lse))``. Memory
+    ``O(B * Hq * rows * N / block_size)`` per call. ``compiled=False`` runs eager flex (every score evaluated: tests
+    and small N only; torch's compiled CPU flex cannot return the log-sum-exp).
 
     Returns:
         ``[B, Hq, C_S, C_B]`` float32.
@@ -256,12 +255,11 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
             out, aux = run(queries, key_chunks, values, block_mask=block_mask, scale=scale / math.sqrt(dim),
                            return_aux=AuxRequest(lse=True), enable_gqa=q_heads != key_chunks.shape[1],
                            kernel_options=options)
-            lse = aux.lse
             # a chunk that starts after a probe is not read for it: out of the merge, whatever the kernel reports
             seen = (positions[start:stop][None, :] >= torch.arange(chunks, device=q.device)[:, None] * width)
             seen = seen[None, :, None]                                                      # [1, C, 1, R]
             out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)
-            lse = rearrange(lse.float(), "(b c) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
+            lse = rearrange(aux.lse.float(), "(b c) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
             share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))
             mass = rearrange(out * share[..., None], "b c h r v -> b h r (c v)")[..., :num_blocks]
             masses.append(mass)

@@ -146,7 +146,7 @@ def test_validation() -> None:
 def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
     """transformers compiles the decode forward for the cache; the phase-1 steps run eagerly, and the static step's
     `prepare` runs before the compiled call, so the static step is one whole graph with no break (the decoder's
-    pre-hook traces to nothing; as an eager hook it broke the step into two graphs and four compiled regions); after
+    pre-hook traces to nothing; as an eager hook it broke the step into two graphs around it); after
     one request, another prompt length and more steps compile nothing (``error_on_recompile``)."""
     model = model_for("llama", EVICTING)
     ids = prompt(300)

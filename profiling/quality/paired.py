@@ -3,7 +3,8 @@
     python profiling/quality/paired.py RUNS_ROOT/model/task/length/q-outside  [baseline-folder]
 
 Prints, for every run folder against the baseline (default ``dense__full``): samples in common, mean scores, how
-many samples each got better, and the per-layer mean prefill density of the run (from its predictions).
+many samples each got better, on how many both generated the same tokens, and the per-layer mean prefill density
+of the run (from its predictions).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def main(root: Path, baseline: str = "dense__full") -> None:
         common = sorted(set(run) & set(base))
         better = sum(run[i]["score"] > base[i]["score"] for i in common)
         worse = sum(run[i]["score"] < base[i]["score"] for i in common)
+        same = sum(run[i]["new_token_ids"] == base[i]["new_token_ids"] for i in common)
         layers = [r["layer_density"] for r in run.values() if r.get("layer_density")]
         per_layer = [statistics.fmean(x for x in col if x is not None) for col in zip(*layers, strict=True)]
         print(f"{folder.name}\n  n={len(common)} score {statistics.fmean(run[i]['score'] for i in common):.3f} vs "
-              f"{statistics.fmean(base[i]['score'] for i in common):.3f}; better on {better}, worse on {worse}")
+              f"{statistics.fmean(base[i]['score'] for i in common):.3f}; better on {better}, worse on {worse}; "
+              f"same tokens on {same}")
         if per_layer:
             print("  layer density " + " ".join(f"{d:.2f}" for d in per_layer))
 

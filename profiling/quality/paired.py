@@ -3,8 +3,8 @@
     python profiling/quality/paired.py RUNS_ROOT/model/task/length/q-outside  [baseline-folder]
 
 Prints, for every run folder against the baseline (default ``dense__full``): samples in common, mean scores, how
-many samples each got better, on how many both generated the same tokens, and the per-layer mean prefill density
-of the run (from its predictions).
+many samples each got better, on how many both generated the same tokens, and the run's mean prefill density, overall
+and per layer (from its predictions).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def main(root: Path, baseline: str = "dense__full") -> None:
               f"{statistics.fmean(base[i]['score'] for i in common):.3f}; better on {better}, worse on {worse}; "
               f"same tokens on {same}")
         if per_layer:
-            print("  layer density " + " ".join(f"{d:.2f}" for d in per_layer))
+            density = statistics.fmean(run[i]["density"] for i in common)
+            print(f"  density {density:.3f}; per layer " + " ".join(f"{d:.2f}" for d in per_layer))
 
 
 if __name__ == "__main__":

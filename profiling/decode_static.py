@@ -54,10 +54,18 @@ BANDWIDTH = 4.3e12
 VARIANTS = ("hf_eager_dense", "hf_static_dense_compiled", "eager_latent", "static_latent_captured")
 
 
-def compile_config(device: torch.device, backend: str):
+TUNED = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+"""``--tuned``: inductor options of ``mode="reduce-overhead"`` plus coordinate-descent tuning, under which inductor
+lowers a matrix product with one row (batch-1 decode's linears) to a tuned Triton reduction instead of cuBLAS."""
+
+
+def compile_config(device: torch.device, backend: str, tuned: bool = False):
     from transformers.generation import CompileConfig
 
-    config = CompileConfig(backend=backend, mode="reduce-overhead" if device.type == "cuda" else None)
+    if tuned and device.type == "cuda":
+        config = CompileConfig(backend=backend, mode=None, options=dict(TUNED))
+    else:
+        config = CompileConfig(backend=backend, mode="reduce-overhead" if device.type == "cuda" else None)
     if device.type != "cuda":
         config._compile_all_devices = True
     return config
@@ -138,12 +146,29 @@ def time_steps(step: Callable[[], None], device: torch.device, warm: int, steps:
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
+def profile_steps(step: Callable[[], None], device: torch.device, path: Path, steps: int = 10) -> float:
+    """``steps`` steps under torch.profiler; the kernels sorted by GPU time written to ``path``; returns the summed
+    kernel time per step in ms (against the step's wall time: what launches and gaps cost)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    events = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                 row_limit=30, max_name_column_width=90), encoding="utf-8")
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+
+
 def decode_row(model, variant: str, batch: int, n: int, args, device: torch.device) -> dict:
     from transformers import DynamicCache, StaticCache
 
     cfg = fe.EntropyConfig(decode_budget=args.budget)
-    compiled = model.get_compiled_call(compile_config(device, args.compile_backend))
-    row = {"part": "decode", "variant": variant, "batch": batch, "n": n}
+    config = compile_config(device, args.compile_backend, args.tuned)
+    row = {"part": "decode", "variant": variant + args.tag, "batch": batch, "n": n}
     with torch.inference_mode():
         if variant == "hf_eager_dense":
             model.set_attn_implementation("sdpa")
@@ -159,8 +184,8 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
             cache = StaticCache(config=model.config, max_cache_len=size)
             fill(cache, model, batch, n, device)
             with dense_backend(SDPBackend.FLASH_ATTENTION):
-                row["step_ms"] = time_steps(step_fn(model, compiled, cache, batch, n, device), device,
-                                            args.warm, args.steps)
+                step = step_fn(model, model.get_compiled_call(config), cache, batch, n, device)
+                row["step_ms"] = time_steps(step, device, args.warm, args.steps)
             entries = size  # attention reads the whole buffer under its mask
         else:
             fe.enable(model, cfg, prefill="dense")
@@ -170,9 +195,13 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
             step = step_fn(model, model.__call__, cache, batch, n, device)
             for _ in range(cfg.decode_delay):  # phase 1 (full cache) eagerly, up to the first eviction
                 step()
-            if static:
+            if static:  # the compiled call as generate gets it once the cache has routed it (one graph per step)
+                compiled = model.get_compiled_call(config)
                 step_compiled = step_fn(model, compiled, cache, batch, n + cfg.decode_delay, device)
                 row["step_ms"] = time_steps(step_compiled, device, args.warm, args.steps)
+                if args.profile_decode:
+                    row["gpu_busy_ms"] = profile_steps(step_compiled, device, Path(args.out) /
+                                                       f"decode_profile_{row['variant']}_b{batch}_{n}.txt")
                 entries = cache.capacity
             else:
                 row["step_ms"] = time_steps(step, device, args.warm, args.steps)
@@ -225,7 +254,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     from transformers import StaticCache
 
     n, new = args.e2e_context, args.new_tokens
-    cc = compile_config(device, args.compile_backend)
+    cc = compile_config(device, args.compile_backend, args.tuned)
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
     cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
@@ -235,7 +264,8 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         clock = StepClock(device)
         seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, clock,
                                 compile_config=cc)
-        return {"part": "e2e", "variant": f"flexentropy_{kind}", "n": n, "new_tokens": new, "total_s": seconds,
+        return {"part": "e2e", "variant": f"flexentropy_{kind}{args.tag}", "n": n, "new_tokens": new,
+                "total_s": seconds,
                 **clock.summary(cfg.decode_delay), "density": prefill_density(model),
                 "segment_size": cfg.segment_size, "probe_kernel": args.probe_kernel,
                 "flash_attn": environment()["flash_attn"]}
@@ -254,7 +284,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         fe.enable(model, cfg, prefill="entropy")
         t0 = time.perf_counter()
         times = fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
-        return {"part": "e2e", "variant": "warm_up", "total_s": time.perf_counter() - t0,
+        return {"part": "e2e", "variant": "warm_up" + args.tag, "total_s": time.perf_counter() - t0,
                 "per_length_s": {str(k): v for k, v in times.items()}}
 
     yield run(warm)
@@ -304,7 +334,8 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
                 step()
             sync(device)
             decode_s = time.perf_counter() - t0
-        return {"part": "e2e", "variant": "dense_best", "n": n, "new_tokens": new, "total_s": prefill_s + decode_s,
+        return {"part": "e2e", "variant": "dense_best" + args.tag, "n": n, "new_tokens": new,
+                "total_s": prefill_s + decode_s,
                 "ttft_s": prefill_s, "decode_step_ms": decode_s / (new - 1) * 1e3, "compile_s": compile_s}
 
     yield run(dense)
@@ -426,10 +457,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--tuned", action="store_true",
+                   help="compile with coordinate-descent tuning (TUNED) on CUDA, dense and flexentropy alike; "
+                        "the rows' variants get the suffix _tuned")
+    p.add_argument("--profile-decode", action="store_true",
+                   help="decode: profile 10 captured steps of static_latent_captured (OUT/decode_profile_*.txt)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
                    help="e2e and checks: EntropyConfig.probe_kernel (auto: the library's default, the kernel on CUDA)")
     p.add_argument("--out", default="docs/results/decode_static")
     args = p.parse_args(argv)
+    args.tag = "_tuned" if args.tuned else ""
     device = torch.device(args.device)
     out = Path(args.out)
     path = out / "decode_static.json"

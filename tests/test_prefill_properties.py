@@ -290,6 +290,60 @@ def test_cuda_probe_kernel_matches_the_scored_path(n: int, segment: int, dtype: 
     torch.testing.assert_close(fast.sum(-1), torch.ones_like(fast[..., 0]), atol=10 * tol, rtol=0)
 
 
+@pytest.mark.cuda
+def test_cuda_probe_kernel_compiles_once_for_every_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompt lengths compile the probe kernel for every length, with one key chunk or several: the warm-up that
+    `flexentropy.warm_up` promises. Session 12 on the H200: with the chunks on the batch dim (1 at one chunk, which
+    dynamo specialises) and views as inputs, a 64k prompt compiled again after a warm-up at 8k and 12k; with the
+    chunks on the head dim (flex specialises head counts), every new chunk count compiled again."""
+    from flexentropy.prefill import estimate
+
+    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", 32)          # chunks of 4096 keys, two 128-row query blocks
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def observe(n: int) -> None:
+        q = torch.randn(1, 8, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+        estimate.probe_block_mass(q, k, 256, 128, 16, kernel=True)
+
+    for n in (3000, 4500):                            # one key chunk (and an empty one), 2 and 3 query blocks
+        observe(n)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in (4096, 9000, 20000, 3300):               # chunks 1, 3, 5, 1
+        observe(n)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_probe_kernel_inputs_keep_one_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the compiled probe kernel is called with: fresh tensors (no views, whose bases dynamo guards), key chunks
+    stacked on the batch dim, at least two of them (a batch dim of 1 would be specialised), at one chunk of keys and
+    at several; the masses are the scored path's (run by eager flex here, on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flexentropy.prefill import estimate
+
+    calls = []
+
+    def spy(query, key, value, **kwargs):
+        calls.append([(t.shape, t._base is None) for t in (query, key, value)])
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(estimate, "_compiled_flex", spy)
+    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", 16)
+    gen = torch.Generator().manual_seed(0)
+    for batch, n, chunks in ((1, 700, 2), (2, 700, 2), (1, 5000, 3)):
+        calls.clear()
+        q, k = torch.randn(batch, 4, n, 16, generator=gen), torch.randn(batch, 2, n, 16, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # eager flex: "called without torch.compile()"
+            fast = estimate.probe_mass_kernel(q, k, 256, 128, 16, compiled=True)
+        (query, key, value), = calls
+        assert (query, key, value) == ((torch.Size([chunks * batch, 4, -(-n // 256) * 16, 16]), True),
+                                       (torch.Size([chunks * batch, 2, 16 * 128, 16]), True),
+                                       (torch.Size([chunks * batch, 2, 16 * 128, 16]), True))
+        torch.testing.assert_close(fast, estimate.probe_block_mass(q, k, 256, 128, 16).float(), atol=2e-6, rtol=1e-5)
+
+
 def test_density_counts_blocks() -> None:
     n = 1024
     cfg = EntropyConfig.paper(segment_size=256, block_size=128, base_budget=128, dense_prefix=0,

@@ -183,7 +183,7 @@ probe queries are repeated once per chunk). Timed per width by ``profiling/prefi
 
 def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_size: int, stride: int, last: int,
                       batch: int, device: torch.device) -> BlockMask:
-    """BlockMask of the probe-mass kernel: batch entry ``b * chunks + c`` holds key chunk ``c``; probe row ``i``
+    """BlockMask of the probe-mass kernel: batch entry ``c * batch + b`` holds key chunk ``c``; probe row ``i``
     (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`).
 
     Built eagerly, outside the compiled kernel: built inside a compiled graph with dynamic shapes it made the H200
@@ -191,18 +191,18 @@ def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_siz
     filled without a host-to-device copy, so the compiled kernel neither recompiles per length nor syncs."""
     probes = segment_size // stride
     sizes = torch.stack([torch.full((), value, dtype=torch.int64, device=device)       # fills: no host copy, no sync
-                         for value in (probes, segment_size, stride, last, chunks, width, row0)])
+                         for value in (probes, segment_size, stride, last, batch, width, row0)])
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return probe_row_position(sizes[6] + q_idx, *sizes[:4]) >= (b % sizes[4]) * sizes[5] + kv_idx
+        return probe_row_position(sizes[6] + q_idx, *sizes[:4]) >= (b // sizes[4]) * sizes[5] + kv_idx
 
     q_blocks, kv_blocks = -(-rows // Q_BLOCK_SIZE), width // Q_BLOCK_SIZE
     first = row0 + torch.arange(q_blocks, device=device) * Q_BLOCK_SIZE
     lo = probe_row_position(first, probes, segment_size, stride, last)        # [Qb] positions ascend with rows
     hi = probe_row_position(torch.clamp(first + Q_BLOCK_SIZE, max=row0 + rows) - 1, probes, segment_size, stride,
                             last)
-    start = (torch.arange(batch * chunks, device=device) % chunks)[:, None] * width              # [B*C, 1]
-    full = torch.clamp((lo[None] - start + 1) // Q_BLOCK_SIZE, 0, kv_blocks).to(torch.int32)  # [B*C, Qb]
+    start = (torch.arange(chunks * batch, device=device) // batch)[:, None] * width              # [C*B, 1]
+    full = torch.clamp((lo[None] - start + 1) // Q_BLOCK_SIZE, 0, kv_blocks).to(torch.int32)  # [C*B, Qb]
     seen = torch.clamp(hi[None] - start + Q_BLOCK_SIZE, 0, kv_blocks * Q_BLOCK_SIZE) // Q_BLOCK_SIZE
     j = torch.arange(kv_blocks, device=device, dtype=torch.int32)
     partial_idx = torch.clamp(full[..., None] + j, max=kv_blocks - 1)
@@ -223,7 +223,10 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     head dim ``D``), stacked on the batch dim; every probe row attends each chunk with one-hot values (column ``c``
     is 1 on the keys of the chunk's block ``c``), so the kernel's output is the probe's mass per block *within* the
     chunk, and its log-sum-exp the chunk's share: ``mass = out * exp(lse_chunk - logsumexp_chunks(lse))``. Memory
-    ``O(B * Hq * rows * N / block_size)`` per call. ``compiled=False`` runs eager flex (every score evaluated: tests
+    ``O(B * Hq * rows * N / block_size)`` per call. The chunks are at least two (one may hold no key): the compiled
+    call's batch dim is never 1, which dynamo would specialise, and its inputs are fresh tensors, not views whose
+    bases it guards, so the graphs that two prompt lengths compile serve every length (flex specialises the head
+    counts: the chunks cannot go on the head dim). ``compiled=False`` runs eager flex (every score evaluated: tests
     and small N only; torch's compiled CPU flex cannot return the log-sum-exp).
 
     Returns:
@@ -232,10 +235,13 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     batch, q_heads, n, dim = q.shape
     value_dim = PROBE_VALUE_DIM or dim
     width = value_dim * block_size
-    chunks = -(-n // width)
+    chunks = max(2, -(-n // width))
     num_blocks = -(-n // block_size)
     dtype = q.dtype
-    key_chunks = rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> (b c) h w d", w=width).contiguous()
+    kv_heads = k.shape[1]
+    key_chunks = k.new_empty(chunks * batch, kv_heads, width, dim)                       # [C*B, Hkv, W, D]
+    key_chunks.view(chunks, batch, kv_heads, width, dim).copy_(
+        rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> c b h w d", w=width))
     block = torch.arange(width, device=q.device) // block_size
     one_hot = (block[:, None] == torch.arange(value_dim, device=q.device)).to(dtype)      # [W, V]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()
@@ -243,7 +249,7 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * value_dim) // probes * probes)
     # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
     options = {"BACKEND": "TRITON"} if q.is_cuda else None
-    values = one_hot.expand(key_chunks.shape[0], key_chunks.shape[1], -1, -1).contiguous()   # no stride-0 dims
+    values = one_hot.repeat(chunks * batch, kv_heads, 1, 1)                              # [C*B, Hkv, W, V]
     masses = []
     run = _compiled_flex if compiled else flex_attention
     with no_silent_fallback():
@@ -251,15 +257,15 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
             stop = min(start + per_call, total)
             block_mask = _probe_block_mask(stop - start, start, chunks, width, segment_size, segment_size // probes,
                                            n - 1, batch, q.device)
-            queries = q[:, :, positions[start:stop]].repeat_interleave(chunks, dim=0)          # [B*C, Hq, R, D]
+            queries = q[:, :, positions[start:stop]].repeat(chunks, 1, 1, 1)                 # [C*B, Hq, R, D]
             out, aux = run(queries, key_chunks, values, block_mask=block_mask, scale=scale / math.sqrt(dim),
-                           return_aux=AuxRequest(lse=True), enable_gqa=q_heads != key_chunks.shape[1],
+                           return_aux=AuxRequest(lse=True), enable_gqa=q_heads != kv_heads,
                            kernel_options=options)
             # a chunk that starts after a probe is not read for it: out of the merge, whatever the kernel reports
             seen = (positions[start:stop][None, :] >= torch.arange(chunks, device=q.device)[:, None] * width)
             seen = seen[None, :, None]                                                      # [1, C, 1, R]
-            out = rearrange(out.float(), "(b c) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)
-            lse = rearrange(aux.lse.float(), "(b c) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
+            out = rearrange(out.float(), "(c b) h r v -> b c h r v", b=batch).masked_fill(~seen[..., None], 0.0)
+            lse = rearrange(aux.lse.float(), "(c b) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
             share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))
             mass = rearrange(out * share[..., None], "b c h r v -> b h r (c v)")[..., :num_blocks]
             masses.append(mass)

@@ -18,6 +18,9 @@ for spec in qwen2.5-coder-0.5b:10:1d9614638d18024d0fbb36575a15f1302a3adf044df103
   if [ ! -s "/tmp/m/$name.gguf" ] && [ "$(ls /tmp/m/"$name".[0-9][0-9] 2>/dev/null | wc -l)" -eq "$parts" ]; then
     cat /tmp/m/"$name".[0-9][0-9] > "/tmp/m/$name.gguf" && rm /tmp/m/"$name".[0-9][0-9]
     echo "$sha  /tmp/m/$name.gguf" | sha256sum -c - || rm -f "/tmp/m/$name.gguf"
+  elif [ ! -s "/tmp/m/$name.gguf" ] && ls /tmp/m/"$name".[0-9][0-9] > /dev/null 2>&1; then   # a carry that broke off
+    missing=$(for i in $(seq -f %02g 0 $((parts - 1))); do [ -e "/tmp/m/$name.$i" ] || printf '%s ' "$i"; done)
+    echo "$name: chunks missing: $missing(carry them again)"
   fi
 done
 export PYTHONPATH=/tmp/site2:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD

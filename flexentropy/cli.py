@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--block-size", type=int, default=64, choices=(64, 128))
     fe.add_argument("--base-budget", type=float, default=512,
                     help="B_0, key tokens per segment (the paper's rule: --prefill entropy_paper, and the peers)")
-    fe.add_argument("--coverage", type=float, default=defaults.coverage,
-                    help="share of the probed attention mass each head keeps per segment (--prefill entropy)")
+    fe.add_argument("--coverage", type=float, nargs="+", default=defaults.coverage, metavar="C",
+                    help="share of the probed attention mass each head keeps per segment (--prefill entropy): one "
+                         "value, or SHORT LONG for prompts of up to 32k and of 128k tokens (default: %(default)s)")
     fe.add_argument("--dense-prefix", type=int, default=512, help="tokens attended densely at the start")
     fe.add_argument("--decode-budget", type=int, default=defaults.decode_budget, help="cache entries per KV head")
     fe.add_argument("--json", type=Path, dest="json_path", help="also write the results to this JSON file")
@@ -147,10 +148,18 @@ def check_writable(path: Path) -> None:
         raise InputError(f"--json {path}: cannot write there ({err.strerror or err})") from None
 
 
+def _coverage_arg(values: float | tuple[float, ...] | list[float]) -> float | tuple[float, ...]:
+    """``--coverage``: one value as a float, two as the ``(short, long)`` pair (more fail in `EntropyConfig`)."""
+    if isinstance(values, (int, float)):
+        return values
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 def entropy_config(args: argparse.Namespace) -> EntropyConfig:
     try:
         return EntropyConfig(segment_size=args.segment_size, block_size=args.block_size, base_budget=args.base_budget,
-                             coverage=args.coverage, dense_prefix=args.dense_prefix, decode_budget=args.decode_budget)
+                             coverage=_coverage_arg(args.coverage), dense_prefix=args.dense_prefix,
+                             decode_budget=args.decode_budget)
     except (TypeError, ValueError) as err:
         raise InputError(str(err)) from None
 
@@ -288,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sparse = run_once("flexentropy", model, tokenizer, prompt, cache, needle, args, warmup_length,
                       lambda: prefill_density(model))
     print(f"config   prefill={args.prefill} cache={args.cache} segment_size={config.segment_size} "
-          f"block_size={config.block_size} base_budget={config.base_budget:g} coverage={config.coverage:g} "
+          f"block_size={config.block_size} base_budget={config.base_budget:g} coverage={config.coverage} "
           f"dense_prefix={config.dense_prefix} "
           f"decode_budget={config.decode_budget}\n")
     results = [dense, sparse]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
+from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, coverage_at
 
 FLUCTUATION_EPS = 1e-9
 """The ``1e-9`` in design.md §1.4's ``r = |e[s] - e[s-1]| / (e[s-1] + 1e-9)``."""
@@ -253,12 +253,14 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     For segment ``s`` of head ``h``: the candidates (:func:`candidate_blocks`) split into forced ones (the first
     ``sink_blocks`` and the ``local_blocks`` before the segment) and the rest; the rest, best ``A_obs`` first (ties
     to the lower index), are taken one by one while the mass taken so far, forced blocks included, is below
-    ``coverage`` times the row's total (all of them when ``coverage == 1``). A ``"probe"`` row is part of the probes'
+    ``coverage`` times the row's total (all of them when ``coverage == 1``), ``coverage`` being `coverage_at` the
+    prompt's length in whole key blocks (``C_B * L_B``). A ``"probe"`` row is part of the probes'
     whole attention (mass 1): the rest of it, on the segment's own keys, counts as taken and the target is
     ``coverage``. ``B[s]`` is ``L_B`` times their number, at least ``L_B``.
     """
     batch, heads, num_segments, num_blocks = a_obs.shape
     seg_size, blk_size = config.segment_size, config.block_size
+    coverage = coverage_at(config.coverage, num_blocks * blk_size)
     budgets = torch.empty(batch, heads, num_segments, dtype=torch.float64, device=a_obs.device)
     for b in range(batch):
         for h in range(heads):
@@ -273,7 +275,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
                 taken = sum(row[j].item() for j in forced) + total - row.sum().item()
                 count = 0
                 for j in rest:
-                    if config.coverage < 1 and taken >= config.coverage * total:
+                    if coverage < 1 and taken >= coverage * total:
                         break
                     taken += row[j].item()
                     count += 1

@@ -597,6 +597,8 @@ def test_diagnose_localises_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monk
 def test_the_qwen_plans_coverage_spec_is_the_default() -> None:
     # docs/quality.md reports the eval's `entropy:observation=probe,budget_rule=coverage,...` at B_0 128 with
     # --segment-size 256 --block-size 128 --dense-prefix 4096 as the library's default: the plans must be the same
+    # (up to 32k tokens; at 128k the default's coverage is 0.6, the spec with coverage=0.6: see
+    # test_coverage_pair_budgets_are_the_reference_and_the_single_value_at_its_ends)
     spec = "entropy:observation=probe,budget_rule=coverage,coverage=0.8,max_budget_factor=1024"
     geometry = runner.EVAL_CONFIG.replace(segment_size=256, block_size=128, dense_prefix=4096, dense_layers=(0,))
     gen = torch.Generator().manual_seed(0)

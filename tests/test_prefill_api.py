@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flexentropy as fe
+import reference
 from flexentropy import EntropyConfig, sparse_prefill_attention
 
 
@@ -65,7 +66,7 @@ def test_config_defaults_are_the_spec() -> None:
     assert (cfg.segment_size, cfg.block_size, cfg.base_budget, cfg.entropy_threshold) == (256, 128, 2048, 1e-5)
     assert (cfg.budget_alpha, cfg.fluctuation_threshold, cfg.max_budget_factor) == (0.5, 0.4, 3.0)
     assert (cfg.fluctuation, cfg.observation, cfg.observation_scale, cfg.probes) == ("abs", "probe", 1.0, 16)
-    assert (cfg.budget_rule, cfg.coverage) == ("coverage", 0.8)
+    assert (cfg.budget_rule, cfg.coverage) == ("coverage", (0.8, 0.6))
     paper = EntropyConfig.paper()
     assert (paper.observation, paper.budget_rule, paper.base_budget, paper.segment_size) == (
         "paper", "fluctuation", 2048, 512)
@@ -306,3 +307,39 @@ def test_probe_kernel_knob_selects_the_same_blocks(monkeypatch: pytest.MonkeyPat
     assert 0 < scored.density < 1
     assert calls and torch.equal(kernel.blocks, scored.blocks)
     torch.testing.assert_close(kernel.budgets, scored.budgets)
+
+
+def test_coverage_pair_follows_the_prompt_length() -> None:
+    """``(short, long)``: short up to 32k tokens, long from 128k, linear in log2(N) between; a float everywhere."""
+    from flexentropy.config import coverage_at
+
+    assert [coverage_at((0.8, 0.6), n) for n in (1, 4096, 32768, 131072, 1 << 20)] == [0.8, 0.8, 0.8, 0.6, 0.6]
+    assert coverage_at((0.8, 0.6), 65536) == pytest.approx(0.7)
+    values = [coverage_at((0.8, 0.6), n) for n in range(30000, 140000, 5000)]
+    assert values == sorted(values, reverse=True)
+    assert coverage_at(0.7, 1 << 20) == 0.7
+    for bad in ((0.8,), (0.8, 0.6, 0.5), (0.8, 1.5), (0.0, 0.6)):
+        with pytest.raises(ValueError, match="coverage"):
+            EntropyConfig(coverage=bad)
+
+
+@pytest.mark.parametrize("blocks", [256, 512, 1024])        # 32k, 64k, 128k tokens in blocks of 128
+def test_coverage_pair_budgets_are_the_reference_and_the_single_value_at_its_ends(blocks: int) -> None:
+    """The budgets of the pair are the float64 reference's at every length, and those of the single value at the
+    two ends (0.8 at 32k, 0.6 at 128k), on observation rows at the lengths the pair changes over."""
+    from flexentropy.config import coverage_at
+    from flexentropy.prefill.selection import coverage_budgets
+
+    pair = EntropyConfig(segment_size=1024, block_size=128)
+    segments = blocks * 128 // pair.segment_size
+    gen = torch.Generator().manual_seed(blocks)
+    causal = torch.arange(blocks)[None, :] < (torch.arange(segments)[:, None] + 1) * 8
+    a_obs = torch.rand(1, 2, segments, blocks, generator=gen, dtype=torch.float64) ** 8 * causal
+    a_obs = a_obs / a_obs.sum(-1, keepdim=True) * 0.9          # a probe row: its rest is on the segment's own keys
+    budgets = coverage_budgets(a_obs, pair)
+    torch.testing.assert_close(budgets.double(), reference.coverage_budgets(a_obs, pair), atol=0, rtol=0)
+    single = pair.replace(coverage=coverage_at(pair.coverage, blocks * 128))
+    if blocks in (256, 1024):
+        assert torch.equal(budgets, coverage_budgets(a_obs, single))
+    shorter = coverage_budgets(a_obs, pair.replace(coverage=0.8))
+    assert (shorter >= budgets).all() and (blocks == 256 or (shorter > budgets).any())

@@ -21,6 +21,7 @@ from flexentropy import (
     select_blocks,
     sparse_prefill_attention,
 )
+from flexentropy.config import coverage_at
 from flexentropy.prefill.kernel import kernel_options, run_plan
 from flexentropy.prefill.selection import coverage_budgets
 
@@ -89,14 +90,15 @@ def test_observation_float32_bound_on_moderate_logits() -> None:
 
 
 def _coverage_clear(scores: torch.Tensor, forced_mass: torch.Tensor, total: torch.Tensor, cfg: EntropyConfig,
-                    tol: float) -> torch.Tensor:
+                    seq_len: int, tol: float) -> torch.Tensor:
     """Rows whose ``coverage`` budget is robust to float32 noise: wherever the mass needed is within ``tol`` of a
     cumulative mass of the free scores (sorted descending, ``scores [..., F]``), so that the count could be ``i`` or
     ``i + 1``, both counts give the same budget."""
-    need = cfg.coverage * total - forced_mass
+    coverage = coverage_at(cfg.coverage, seq_len)
+    need = coverage * total - forced_mass
     before = torch.cumsum(scores, dim=-1) - scores                       # before[i]: mass of the i best
     same = torch.arange(scores.shape[-1]) == 0          # counts 0 and 1 both give one block
-    return (cfg.coverage >= 1) | (((before - need[..., None]).abs() > tol) | same).all(dim=-1)
+    return (coverage >= 1) | (((before - need[..., None]).abs() > tol) | same).all(dim=-1)
 
 
 def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -128,7 +130,8 @@ def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig, dtype: torch.d
             row = a[..., s, :].sum(dim=-1)
             total = torch.ones_like(row) if cfg.observation == "probe" else row   # a probe row's rest is kept
             forced_mass = total - a[..., s, free].sum(dim=-1)
-            clear[..., s] &= _coverage_clear(scores, forced_mass, total, cfg, 0.02 if rough else 1e-4)
+            clear[..., s] &= _coverage_clear(scores, forced_mass, total, cfg, num_blocks * cfg.block_size,
+                                             0.02 if rough else 1e-4)
     return clear
 
 

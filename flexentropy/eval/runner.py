@@ -40,7 +40,8 @@ from flexentropy.eval.tasks import PLACEMENTS, TASKS, make_sample, sample_ids
 from flexentropy.runtime import loading as runtime_loading
 from flexentropy.runtime.generation import cache_bytes, generate_batch_timed, warm_up
 
-EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, dense_prefix=256, dense_layers=(0,))
+EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, coverage=0.8, dense_prefix=256,
+                            dense_layers=(0,))
 """Sparse-prefill geometry for 1k-4k prompts: small segments and blocks and a short dense prefix, so that ``B_0`` of
 64-512 tokens is as aggressive as the paper's 2048 at 128k (``base_budget`` is replaced by each run's ``B_0``)."""
 

@@ -6,6 +6,7 @@ All of it is tensor code: no loop over heads or segments, no host sync.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -13,7 +14,7 @@ import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
-from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config
+from flexentropy.config import COVERAGE_LENGTHS, Q_BLOCK_SIZE, EntropyConfig, check_config
 from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
@@ -66,7 +67,7 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) ->
     return rank < k[..., None]
 
 
-def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float,
+def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float | torch.Tensor,
                total: float | None = None) -> torch.Tensor:
     """The smallest set of ``free`` entries of each row that, added to the ``forced`` ones, holds at least
     ``fraction`` of the row's mass: free entries best first (ties to the lower index) until the kept mass reaches
@@ -80,14 +81,15 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
         scores: ``[..., C]`` non-negative estimated mass, 0 outside the row's support (its sum is the total).
         free: bool ``[..., C]`` (broadcastable) entries that may be chosen.
         forced: bool ``[..., C]`` (broadcastable) entries kept anyway, disjoint from ``free``; their mass counts.
-        fraction: in ``[0, 1]``.
+        fraction: in ``[0, 1]``: a float, or a tensor broadcastable to the rows (a tensor of 1 takes the general
+            path, so rounding of the sums may leave out a free entry of near-zero mass).
 
     Returns:
         bool ``[..., C]``: the chosen free entries (forced ones not included).
     """
     free = free.expand_as(scores)
     rank, ordered = _descending_rank(scores, free)
-    if fraction >= 1:
+    if not isinstance(fraction, torch.Tensor) and fraction >= 1:
         count = free.sum(dim=-1)
     else:
         row = scores.sum(dim=-1)
@@ -131,10 +133,25 @@ def _free_and_forced(a_obs: torch.Tensor, config: EntropyConfig) -> tuple[torch.
     return candidates & ~forced, forced
 
 
+def _coverage(a_obs: torch.Tensor, config: EntropyConfig) -> float | torch.Tensor:
+    """`coverage_at` for the prompt of ``a_obs [..., C_B]`` (``C_B * L_B`` tokens): a float, or for a
+    ``(short, long)`` pair a 0-d tensor (float32, or ``a_obs``'s wider dtype) computed from the block count, so
+    that a compiled plan neither guards on the length nor compiles again for a new one."""
+    if not isinstance(config.coverage, tuple):
+        return config.coverage
+    short, long = config.coverage
+    low, high = (math.log2(n) for n in COVERAGE_LENGTHS)
+    dtype = torch.promote_types(a_obs.dtype, torch.float32)
+    tokens = a_obs.new_ones(a_obs.shape[-1], dtype=dtype).sum() * config.block_size
+    t = ((tokens.log2() - low) / (high - low)).clamp(0, 1)
+    return short * (1 - t) + long * t
+
+
 def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
     """Token budget of every (batch, query head, segment) under ``budget_rule="coverage"`` (design.md §1.4b).
 
-    ``B[s] = L_B * max(1, |fewest free candidates holding config.coverage of row s's mass|)`` (`mass_cover` of
+    ``B[s] = L_B * max(1, |fewest free candidates holding coverage of row s's mass|)``, the coverage
+    `coverage_at` the prompt's length (`mass_cover` of
     ``A_obs``, the forced blocks' mass counting; for the ``"probe"`` observation the row is part of the probes' whole
     attention, whose rest, on the segment's own keys, counts as kept). No ``B_0`` and no cap: a peaked row (low
     entropy) gets one block, a spread one (high entropy) as many as its mass needs.
@@ -147,7 +164,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     """
     free, forced = _free_and_forced(a_obs, config)
     total = 1.0 if config.observation == "probe" else None     # a probe row's rest is on the segment's own keys
-    count = mass_cover(a_obs, free, forced, config.coverage, total).sum(dim=-1)
+    count = mass_cover(a_obs, free, forced, _coverage(a_obs, config), total).sum(dim=-1)
     return (count.clamp_min(1) * config.block_size).float()
 
 

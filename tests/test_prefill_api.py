@@ -343,3 +343,23 @@ def test_coverage_pair_budgets_are_the_reference_and_the_single_value_at_its_end
         assert torch.equal(budgets, coverage_budgets(a_obs, single))
     shorter = coverage_budgets(a_obs, pair.replace(coverage=0.8))
     assert (shorter >= budgets).all() and (blocks == 256 or (shorter > budgets).any())
+
+
+def test_coverage_pair_compiles_once_across_the_lengths_it_changes_over() -> None:
+    """The pair's share is a tensor computed from the block count: budgets compiled with dynamic shapes at one
+    length serve lengths below, inside and above the 32k-128k ramp without a new graph, and match eager ones."""
+    from torch._dynamo.utils import counters
+
+    from flexentropy.prefill.selection import coverage_budgets
+
+    cfg = EntropyConfig(segment_size=1024, block_size=128)
+    compiled = torch.compile(coverage_budgets, dynamic=True, fullgraph=True)
+    graphs = None
+    for i, blocks in enumerate((200, 240, 300, 700, 1024, 1500)):     # 25.6k, 30.7k, 38.4k, 89.6k, 128k, 192k tokens
+        gen = torch.Generator().manual_seed(blocks)
+        a_obs = torch.rand(1, 2, blocks * 128 // cfg.segment_size, blocks, generator=gen) ** 8
+        a_obs = a_obs / a_obs.sum(-1, keepdim=True) * 0.9
+        torch.testing.assert_close(compiled(a_obs, cfg), coverage_budgets(a_obs, cfg), atol=cfg.block_size, rtol=0)
+        if i == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a new length compiled the coverage budgets again"

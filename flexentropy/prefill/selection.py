@@ -81,16 +81,16 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
         scores: ``[..., C]`` non-negative estimated mass, 0 outside the row's support (its sum is the total).
         free: bool ``[..., C]`` (broadcastable) entries that may be chosen.
         forced: bool ``[..., C]`` (broadcastable) entries kept anyway, disjoint from ``free``; their mass counts.
-        fraction: in ``[0, 1]``: a float, or a tensor broadcastable to the rows (a tensor of 1 takes the general
-            path, so rounding of the sums may leave out a free entry of near-zero mass).
+        fraction: in ``[0, 1]``: a float, or a tensor broadcastable to the rows.
 
     Returns:
         bool ``[..., C]``: the chosen free entries (forced ones not included).
     """
     free = free.expand_as(scores)
     rank, ordered = _descending_rank(scores, free)
+    everything = free.sum(dim=-1)
     if not isinstance(fraction, torch.Tensor) and fraction >= 1:
-        count = free.sum(dim=-1)
+        count = everything
     else:
         row = scores.sum(dim=-1)
         whole = row if total is None else torch.full_like(row, total)
@@ -98,6 +98,8 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
         mass = ordered.clamp_min(0)
         before = torch.cumsum(mass, dim=-1) - mass                  # mass of the better free entries
         count = ((before < need[..., None]) & (ordered >= 0)).sum(dim=-1)
+        if isinstance(fraction, torch.Tensor):
+            count = torch.where(fraction >= 1, everything, count)
     return rank < count[..., None]
 
 

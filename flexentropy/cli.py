@@ -148,10 +148,8 @@ def check_writable(path: Path) -> None:
         raise InputError(f"--json {path}: cannot write there ({err.strerror or err})") from None
 
 
-def _coverage_arg(values: float | tuple[float, ...] | list[float]) -> float | tuple[float, ...]:
+def _coverage_arg(values: tuple[float, ...] | list[float]) -> float | tuple[float, ...]:
     """``--coverage``: one value as a float, two as the ``(short, long)`` pair (more fail in `EntropyConfig`)."""
-    if isinstance(values, (int, float)):
-        return values
     return values[0] if len(values) == 1 else tuple(values)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
@@ -10,11 +11,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import flexentropy as fe
 
 PROBE_KERNEL = {"auto": None, "on": True, "off": False}
 """``--probe-kernel`` choices of the benchmarks: `EntropyConfig.probe_kernel`'s values."""
+
+
+dense_flex = torch.compile(flex_attention, dynamic=False)
+"""Dense flex attention, compiled per shape: the dense baseline on the FLASH backend (``kernel_options``)."""
+
+
+@functools.lru_cache(maxsize=2)
+def causal_block_mask(n: int, device: torch.device) -> BlockMask:
+    """The causal BlockMask of an ``n``-token prompt, built once per length (compiled: no N x N tensor)."""
+    return create_block_mask(lambda b, h, q, k: q >= k, None, None, n, n, device=device, _compile=True)
 
 
 def speed_config(**changes: object) -> fe.EntropyConfig:

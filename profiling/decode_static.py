@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import statistics
 import sys
@@ -41,11 +40,18 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import PROBE_KERNEL, environment, speed_config, sync, write_json  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_KERNEL,
+    causal_block_mask,
+    dense_flex,
+    environment,
+    speed_config,
+    sync,
+    write_json,
+)
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -254,15 +260,6 @@ def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, 
     return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
 
 
-_dense_flex = torch.compile(flex_attention, dynamic=False)
-
-
-@functools.lru_cache(maxsize=2)
-def causal_block_mask(n: int, device: torch.device):
-    """The causal BlockMask of an ``n``-token prompt, built once for all layers (compiled: no N x N tensor)."""
-    return create_block_mask(lambda b, h, q, k: q >= k, None, None, n, n, device=device, _compile=True)
-
-
 def flash_flex_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
     """An HF attention function for the dense baseline's FLASH-backend prefill: a prompt (``query``, ``key``,
@@ -273,7 +270,7 @@ def flash_flex_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     n = query.shape[-2]
     if n != key.shape[-2] or n == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    out = _dense_flex(query, key, value, block_mask=causal_block_mask(n, query.device), scale=scaling, enable_gqa=True,
+    out = dense_flex(query, key, value, block_mask=causal_block_mask(n, query.device), scale=scaling, enable_gqa=True,
                       kernel_options=kernel_options("flash", query.device, 128, query.dtype))
     return out.transpose(1, 2).contiguous(), None
 

@@ -21,10 +21,18 @@ from unittest.mock import patch
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROBE_KERNEL, attention_inputs, environment, speed_config, time_ms, write_json  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_KERNEL,
+    attention_inputs,
+    causal_block_mask,
+    dense_flex,
+    environment,
+    speed_config,
+    time_ms,
+    write_json,
+)
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.prefill import estimate  # noqa: E402
@@ -34,8 +42,6 @@ from flexentropy.prefill.kernel import kernel_options, run_plan  # noqa: E402
 from flexentropy.prefill.observation import _observation  # noqa: E402
 from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
 from flexentropy.prefill.selection import block_table  # noqa: E402
-
-_dense_flex = torch.compile(flex_attention, dynamic=False)
 
 
 def causal_flops(n: int, hq: int, d: int, b: int = 1) -> float:
@@ -69,9 +75,9 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
             print(f"{name}: {str(err).splitlines()[0]}")
     row["flex_dense_ms"] = None
     if "flex" in args.baselines:
-        causal = torch.compile(create_block_mask)(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=device)
+        causal = causal_block_mask(n, device)
         opts = kernel_options(args.backend, device, 128, dtype)
-        row["flex_dense_ms"] = time_ms(lambda: _dense_flex(q, k, v, block_mask=causal, enable_gqa=gqa,
+        row["flex_dense_ms"] = time_ms(lambda: dense_flex(q, k, v, block_mask=causal, enable_gqa=gqa,
                                                            kernel_options=opts), device, reps=reps)
 
     # Stages of the sparse path, each timed eagerly on its own (inputs from the previous stage); the library runs

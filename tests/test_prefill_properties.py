@@ -312,7 +312,7 @@ def test_cuda_probe_kernel_compiles_once_for_every_length(monkeypatch: pytest.Mo
     for n in (3000, 4500):                            # one key chunk (and an empty one), 2 and 3 query blocks
         observe(n)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n in (4096, 9000, 20000, 3300):               # chunks 1, 3, 5, 1
+    for n in (4096, 9000, 20000, 3300):               # key chunks holding keys: 1, 3, 5, 1 (2, 3, 5, 2 stacked)
         observe(n)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 

@@ -88,9 +88,8 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
     """
     free = free.expand_as(scores)
     rank, ordered = _descending_rank(scores, free)
-    everything = free.sum(dim=-1)
     if not isinstance(fraction, torch.Tensor) and fraction >= 1:
-        count = everything
+        count = free.sum(dim=-1)
     else:
         row = scores.sum(dim=-1)
         whole = row if total is None else torch.full_like(row, total)
@@ -99,7 +98,7 @@ def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, f
         before = torch.cumsum(mass, dim=-1) - mass                  # mass of the better free entries
         count = ((before < need[..., None]) & (ordered >= 0)).sum(dim=-1)
         if isinstance(fraction, torch.Tensor):
-            count = torch.where(fraction >= 1, everything, count)
+            count = torch.where(fraction >= 1, free.sum(dim=-1), count)
     return rank < count[..., None]
 
 

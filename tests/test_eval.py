@@ -206,7 +206,15 @@ def test_run_layout_resume_and_conflict(tmp_path: Path, loaded: Loaded) -> None:
     assert more.status == "ran" and more.metrics["samples"] == 2 and [json.loads(x)["index"] for x in lines] == [0, 1]
     assert lines[0] == json.dumps(record)
     with pytest.raises(RunConflict):
-        run(RunSpec("niah_single", 1024, config=spec.config.replace(segment_size=512)), 1, tmp_path, loader)
+        run(RunSpec("niah_single", 1024, seed=1), 1, tmp_path, loader)
+    # dense prefill into the full cache reads no EntropyConfig field: the baseline resumes under another geometry
+    regeometry = RunSpec("niah_single", 1024, config=spec.config.replace(segment_size=512))
+    assert run(regeometry, 3, tmp_path, loader).status == "ran" and len(records_of(tmp_path, spec)) == 3
+    sparse = RunSpec("niah_single", 1024, prefill="streaming", prefill_budget=256)
+    run(sparse, 1, tmp_path, loader)
+    with pytest.raises(RunConflict):
+        run(RunSpec("niah_single", 1024, prefill="streaming", prefill_budget=256,
+                    config=spec.config.replace(segment_size=512)), 1, tmp_path, loader)
 
 
 def records_of(out: Path, spec: RunSpec) -> list[dict[str, Any]]:

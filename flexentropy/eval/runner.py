@@ -196,11 +196,19 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _defining(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a run's ``config.json`` that change its predictions: a dense prefill into the full cache reads
+    no `EntropyConfig` field, so one dense baseline serves the sparse runs of every geometry."""
+    if data.get("prefill") == "dense" and data.get("cache") == "full":
+        return {k: v for k, v in data.items() if k != "config"}
+    return data
+
+
 def _check_config(run_dir: Path, spec: RunSpec) -> None:
     path = run_dir / CONFIG_FILE
     if path.is_file():
         held = json.loads(path.read_text(encoding="utf-8"))
-        if held != spec.to_json():
+        if _defining(held) != _defining(spec.to_json()):
             raise RunConflict(f"{run_dir} holds a run of another configuration ({held}); use another output folder")
     else:
         run_dir.mkdir(parents=True, exist_ok=True)

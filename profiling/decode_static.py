@@ -19,8 +19,10 @@ Parts (``--parts``, comma-separated; each call merges its rows into ``OUT/decode
   (sparse prefill on the FLASH backend when flash-attn-4 is importable, StaticLatentKVCache, compiled decode), the
   latter cold (dynamo reset) and after ``fe.warm_up``.
 * ``checks``: greedy tokens of the captured vs the uncaptured static latent decode at a covering budget on a short
-  prompt; graphs compiled across prompts of ``--check-lengths`` and ``--long-steps`` decode steps after one warm-up;
-  the cache's bytes at the end.
+  prompt, and the same for dense (HF ``StaticCache``, eager against compiled) as a control, on the random-weight
+  model or, with ``--check-model``, on a real one (Qwen2.5-Coder-1.5B on the device) and an essay prompt; graphs
+  compiled across prompts of ``--check-lengths`` and ``--long-steps`` decode steps after one warm-up; the cache's
+  bytes at the end.
 
 The JSON is rewritten after every row; a failed row records its error and the others go on. A table is printed
 last. ``--device cpu --tiny`` runs a small model for a quick check of the harness.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -384,36 +387,56 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     yield run(dense)
 
 
-def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
+def real_model_prompt(path: str, n: int, device: torch.device):
+    """``(model, ids [1, ~n])``: a real model loaded offline (``--check-model``, bf16) and a prompt of about ``n``
+    tokens of Paul Graham's essays asking for a summary, so that greedy tokens follow the model's own margins."""
+    from flexentropy.data import load_essays, prompt_ids
+    from flexentropy.runtime.loading import load_model
+
+    model, tokenizer, _ = load_model(path, device=str(device), dtype="bfloat16")
+    ids = prompt_ids(tokenizer, load_essays(), "Summarize the text above in a few sentences.", context_tokens=n)
+    return model, torch.tensor([ids], device=device)
+
+
+def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iterator[dict]:
+    """The ``checks`` part's rows (``--checks``); ``llama()`` builds the Llama-shaped model on first use."""
     cc = compile_config(device, args.compile_backend)
     gen = torch.Generator(device=device).manual_seed(2)
-    vocab = model.config.vocab_size - 1
-    check_ids = torch.randint(100, vocab, (1, args.check_prompt), device=device, generator=gen)
+    suffix = ""
+    if args.check_model:  # identity and its dense control on a real model (the recompile check keeps the Llama shape)
+        real, check_ids = real_model_prompt(args.check_model, args.check_prompt, device)
+        suffix = "_" + real.config.model_type
+    else:
+        real = llama()
+        check_ids = torch.randint(100, real.config.vocab_size - 1, (1, args.check_prompt), device=device,
+                                  generator=gen)
 
     def agreement(variant: str, eager: list, captured: list) -> dict:
         first = next((i for i, (a, b) in enumerate(zip(eager, captured, strict=False)) if a != b), None)
-        return {"part": "checks", "variant": variant, "n": args.check_prompt, "identical": eager == captured,
-                "first_mismatch": first, "tokens": len(eager)}
+        return {"part": "checks", "variant": variant + suffix, "n": check_ids.shape[1],
+                "identical": eager == captured, "first_mismatch": first, "tokens": len(eager),
+                **({"model": Path(args.check_model).name} if args.check_model else {})}
 
     def identity() -> dict:
         cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192)  # covering the short prompt and its tokens
-        fe.enable(model, cfg, prefill="dense")
-        runs = [generate_s(model, check_ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
+        fe.enable(real, cfg, prefill="dense")
+        runs = [generate_s(real, check_ids, fe.StaticLatentKVCache(cfg, model=real), args.check_tokens, device,
                            **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
         return agreement("greedy_identity_covering", *runs)
 
     def dense_control() -> dict:
         """The same identity check for dense (HF ``StaticCache``, eager against compiled): how far bf16 rounding of
-        compiled kernels alone moves greedy tokens of a random-weight model."""
+        compiled kernels alone moves greedy tokens (of a random-weight model: near-tied logits)."""
         from transformers import StaticCache
 
-        model.set_attn_implementation("sdpa")
-        size = args.check_prompt + args.check_tokens + 8
-        runs = [generate_s(model, check_ids, StaticCache(config=model.config, max_cache_len=size), args.check_tokens,
+        real.set_attn_implementation("sdpa")
+        size = check_ids.shape[1] + args.check_tokens + 8
+        runs = [generate_s(real, check_ids, StaticCache(config=real.config, max_cache_len=size), args.check_tokens,
                            device, **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
         return agreement("greedy_identity_dense_control", *runs)
 
     def recompiles() -> dict:
+        model, vocab = llama(), llama().config.vocab_size - 1
         cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
@@ -430,7 +453,8 @@ def checks_rows(model, args, device: torch.device) -> Iterator[dict]:
         return {"part": "checks", "variant": "recompiles_after_warm_up", "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
 
-    for fn in (identity, dense_control, recompiles):
+    checks = {"identity": identity, "dense_control": dense_control, "recompiles": recompiles}
+    for fn in (checks[name] for name in args.checks):
         try:
             yield fn()
         except Exception as err:  # noqa: BLE001
@@ -500,6 +524,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--check-lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     p.add_argument("--long-steps", type=int, default=1000)
+    p.add_argument("--checks", nargs="+", choices=["identity", "dense_control", "recompiles"],
+                   default=["identity", "dense_control", "recompiles"])
+    p.add_argument("--check-model", default=None,
+                   help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
+                        "an alias of flexentropy.runtime.models) with an essay prompt of --check-prompt tokens; their "
+                        "variants get the model type as a suffix")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
@@ -518,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     path = out / "decode_static.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    model = build_model(args.layers, device, args.tiny)
+    llama = functools.cache(lambda: build_model(args.layers, device, args.tiny))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def keep(row: dict) -> None:
@@ -534,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch, n in cases:
             for variant in args.variants:
                 try:
-                    keep(decode_row(model, variant, batch, n, args, device))
+                    keep(decode_row(llama(), variant, batch, n, args, device))
                 except Exception as err:  # noqa: BLE001
                     traceback.print_exc()
                     keep({"part": "decode", "variant": variant, "batch": batch, "n": n,
@@ -542,10 +572,10 @@ def main(argv: list[str] | None = None) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     if "e2e" in parts:
-        for row in e2e_rows(model, args, device):
+        for row in e2e_rows(llama(), args, device):
             keep(row)
     if "checks" in parts:
-        for row in checks_rows(model, args, device):
+        for row in checks_rows(llama, args, device):
             keep(row)
     plot(rows, out / "decode_static.png")
     table(rows)

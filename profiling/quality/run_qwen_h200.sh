@@ -8,7 +8,7 @@ export MODEL=${MODEL:-/tmp/m/qwen2.5-coder-1.5b.gguf} RESULTS=${RESULTS:-/tmp/qw
 if [ ! -d "$RESULTS/runs" ]; then   # the committed runs the plans pair with, so that finished cells are skipped
   mkdir -p "$RESULTS" && tar -xJf docs/results/qwen_h200/runs.tar.xz -C "$RESULTS" \
     runs/qwen2.5-coder-1.5b/niah_multikey/32768/q-outside/dense__full
-  for study in qwen_h200_seg256 qwen_h200_s9 qwen_h200_s13; do tar -xJf "docs/results/$study/runs.tar.xz" -C "$RESULTS"; done
+  for study in qwen_h200_seg256 qwen_h200_s9 qwen_h200_s13 qwen_h200_s14; do tar -xJf "docs/results/$study/runs.tar.xz" -C "$RESULTS"; done
 fi
 timeout "${LIMIT:-540}" python3 -m flexentropy.eval plan "$PLAN"
 python3 -m flexentropy.eval report --runs "$RESULTS/runs" --out "$RESULTS" > /dev/null

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, label
 
@@ -20,18 +23,23 @@ COVERAGE_LENGTHS = (32768, 131072)
 """Prompt lengths (tokens) at which a ``(short, long)`` coverage takes its two values (`coverage_at`)."""
 
 
-def coverage_at(coverage: float | tuple[float, float], seq_len: int) -> float:
+def coverage_at(coverage: float | tuple[float, float], seq_len: int | Tensor) -> float | Tensor:
     """The share of observation mass the ``"coverage"`` rule keeps for a ``seq_len``-token prompt.
 
     A float is used at every length. A pair ``(short, long)`` gives ``short`` up to ``COVERAGE_LENGTHS[0]`` tokens,
     ``long`` from ``COVERAGE_LENGTHS[1]`` on, and between them a value linear in ``log2(seq_len)``. The sparse path
-    reads the length rounded up to whole key blocks (``C_B * L_B``), as `reference.coverage_budgets` does.
+    reads the length rounded up to whole key blocks (``C_B * L_B``), as `reference.coverage_budgets` does; it passes
+    it as a 0-d float tensor and gets one back, so that a compiled plan neither guards on the length nor compiles
+    again for a new one.
     """
     if not isinstance(coverage, tuple):
         return float(coverage)
     short, long = coverage
     low, high = (math.log2(n) for n in COVERAGE_LENGTHS)
-    t = min(max((math.log2(max(seq_len, 1)) - low) / (high - low), 0.0), 1.0)
+    if isinstance(seq_len, int):
+        t = min(max((math.log2(max(seq_len, 1)) - low) / (high - low), 0.0), 1.0)
+    else:
+        t = ((seq_len.log2() - low) / (high - low)).clamp(0, 1)
     return short * (1 - t) + long * t
 
 

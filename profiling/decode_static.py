@@ -436,7 +436,8 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         return agreement("greedy_identity_dense_control", *runs)
 
     def recompiles() -> dict:
-        model, vocab = llama(), llama().config.vocab_size - 1
+        model = llama()
+        vocab = model.config.vocab_size - 1
         cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
@@ -543,7 +544,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="e2e and checks: EntropyConfig.probe_kernel (auto: the library's default, the kernel on CUDA)")
     p.add_argument("--out", default="docs/results/decode_static")
     args = p.parse_args(argv)
-    args.tag = ("_tuned" if args.tuned else "") + (f"_b0{args.prefill_budget}" if args.prefill_budget != 2048 else "")
+    default_budget = p.get_default("prefill_budget")
+    args.tag = ("_tuned" if args.tuned else "") + (f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget
+                                                   else "")
     device = torch.device(args.device)
     out = Path(args.out)
     path = out / "decode_static.json"

@@ -6,7 +6,6 @@ All of it is tensor code: no loop over heads or segments, no host sync.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -14,7 +13,7 @@ import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
-from flexentropy.config import COVERAGE_LENGTHS, Q_BLOCK_SIZE, EntropyConfig, check_config
+from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
 from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
 from flexentropy.prefill.entropy import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
@@ -136,16 +135,11 @@ def _free_and_forced(a_obs: torch.Tensor, config: EntropyConfig) -> tuple[torch.
 
 def _coverage(a_obs: torch.Tensor, config: EntropyConfig) -> float | torch.Tensor:
     """`coverage_at` for the prompt of ``a_obs [..., C_B]`` (``C_B * L_B`` tokens): a float, or for a
-    ``(short, long)`` pair a 0-d tensor (float32, or ``a_obs``'s wider dtype) computed from the block count, so
-    that a compiled plan neither guards on the length nor compiles again for a new one."""
+    ``(short, long)`` pair a 0-d tensor (float32, or ``a_obs``'s wider dtype) of the length counted on the device."""
     if not isinstance(config.coverage, tuple):
         return config.coverage
-    short, long = config.coverage
-    low, high = (math.log2(n) for n in COVERAGE_LENGTHS)
     dtype = torch.promote_types(a_obs.dtype, torch.float32)
-    tokens = a_obs.new_ones(a_obs.shape[-1], dtype=dtype).sum() * config.block_size
-    t = ((tokens.log2() - low) / (high - low)).clamp(0, 1)
-    return short * (1 - t) + long * t
+    return coverage_at(config.coverage, a_obs.new_ones(a_obs.shape[-1], dtype=dtype).sum() * config.block_size)
 
 
 def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:

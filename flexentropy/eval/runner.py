@@ -15,11 +15,15 @@ raises `RunConflict` rather than mixing results.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from itertools import product
 from pathlib import Path
@@ -36,7 +40,7 @@ from flexentropy.eval.resolve import (
     prefill_has_budget,
     spec_label,
 )
-from flexentropy.eval.tasks import PLACEMENTS, TASKS, make_sample, sample_ids
+from flexentropy.eval.tasks import PLACEMENTS, TASKS, Sample, make_sample, sample_ids
 from flexentropy.runtime import loading as runtime_loading
 from flexentropy.runtime.generation import cache_bytes, generate_batch_timed, warm_up
 
@@ -125,6 +129,44 @@ def expand_grid(tasks: Iterable[str], lengths: Iterable[int], prefills: Iterable
 # model
 
 
+PROMPT_WORKERS = min(8, os.cpu_count() or 1)
+"""Threads that build a run's prompts (`PromptBuilder`)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One sample of a run and its prompt token ids (`sample_ids` at the run's placement)."""
+
+    sample: Sample
+    ids: list[int]
+
+
+def _prompt(spec: RunSpec, index: int, tokenizer: Any) -> Prompt:
+    sample = make_sample(spec.task, spec.length, index, tokenizer, spec.seed)
+    return Prompt(sample, sample_ids(tokenizer, sample, spec.placement))
+
+
+class PromptBuilder:
+    """Builds prompts on ``workers`` threads, each with its own copy of ``tokenizer`` (made once per thread).
+
+    A fast tokenizer encodes with the GIL released, and drawing and encoding a 128k-token prompt takes about a second,
+    which the GPU would otherwise wait for sample after sample.
+    """
+
+    def __init__(self, tokenizer: Any, workers: int = PROMPT_WORKERS) -> None:
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="prompts", initializer=self._copy,
+                                        initargs=(tokenizer,))
+
+    def _copy(self, tokenizer: Any) -> None:
+        self._local.tokenizer = copy.deepcopy(tokenizer)
+
+    def build(self, spec: RunSpec, indices: list[int]) -> dict[int, Prompt]:
+        """Samples ``indices`` of ``spec`` with their prompt ids, by index, in the order of ``indices``."""
+        built = self._pool.map(lambda index: _prompt(spec, index, self._local.tokenizer), indices)
+        return dict(zip(indices, built, strict=True))
+
+
 @dataclass
 class Loaded:
     """A model ready to run: the HF causal LM (eval mode), its tokenizer and where it came from."""
@@ -134,6 +176,16 @@ class Loaded:
     source: str
     warmed: set[tuple[str, EntropyConfig, int]] = field(default_factory=set)
     """(prefill spec, geometry, batch size) whose kernels are compiled (`run_batch` warms each up once)."""
+    builder: PromptBuilder | None = field(default=None, repr=False)
+
+    def prompts(self, spec: RunSpec, indices: list[int]) -> dict[int, Prompt]:
+        """Samples ``indices`` of ``spec`` with their prompt ids, by index: on this thread for one sample or one
+        core, else on a `PromptBuilder` made on first use."""
+        if len(indices) < 2 or PROMPT_WORKERS < 2:
+            return {index: _prompt(spec, index, self.tokenizer) for index in indices}
+        if self.builder is None:
+            self.builder = PromptBuilder(self.tokenizer)
+        return self.builder.build(spec, indices)
 
 
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto", yarn: float | None = None
@@ -243,9 +295,9 @@ def warm_up_batch(model: Any, prompt: Any, mask: Any) -> None:
             warm_up(model, real[:, trim:], shortest - trim, ones[:, trim:])
 
 
-def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> list[dict[str, Any]]:
-    """Generate greedily for samples ``indices`` of ``spec`` in one ``generate`` call (policies already applied);
-    their records, in the order of ``indices``.
+def run_batch(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) -> list[dict[str, Any]]:
+    """Generate greedily for ``prompts`` (samples of ``spec``, `Loaded.prompts`) in one ``generate`` call (policies
+    already applied); their records, in the order of ``prompts``.
 
     The prompts are left-padded to the longest (``[B, N]`` ids and attention mask; pad: the tokenizer's pad id, else
     its eos id); every row gets the tokens of its solo run (`flexentropy.integrations.hf` attends each row's real
@@ -261,11 +313,11 @@ def run_batch(loaded: Loaded, spec: RunSpec, indices: list[int], cache: Any) -> 
     from flexentropy.integrations.hf import prefill_density
 
     model, tokenizer = loaded.model, loaded.tokenizer
-    samples = [make_sample(spec.task, spec.length, index, tokenizer, spec.seed) for index in indices]
+    samples, rows = [p.sample for p in prompts], [p.ids for p in prompts]
+    indices = [s.index for s in samples]
     limits = {(s.max_new_tokens, s.min_new_tokens) for s in samples}
     if len(limits) != 1:
         raise ValueError(f"samples {indices} of a batch must share max_new_tokens and min_new_tokens, got {limits}")
-    rows = [sample_ids(tokenizer, sample, spec.placement) for sample in samples]
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=model.device)
@@ -320,20 +372,19 @@ def batchable(spec: RunSpec) -> bool:
     return parse_spec(spec.cache)[0] not in BATCH_ALONE
 
 
-def plan_batches(spec: RunSpec, indices: list[int], batch_size: int, tokenizer: Any) -> list[list[int]]:
-    """``indices`` cut into batches of at most ``batch_size`` consecutive indices sharing ``max_new_tokens`` and
-    ``min_new_tokens`` (one index each unless `batchable`)."""
+def plan_batches(spec: RunSpec, prompts: dict[int, Prompt], batch_size: int) -> list[list[Prompt]]:
+    """``prompts`` (by index, in order) cut into batches of at most ``batch_size`` consecutive samples sharing
+    ``max_new_tokens`` and ``min_new_tokens`` (one sample each unless `batchable`)."""
     if batch_size == 1 or not batchable(spec):
-        return [[index] for index in indices]
-    batches: list[list[int]] = []
+        return [[prompt] for prompt in prompts.values()]
+    batches: list[list[Prompt]] = []
     last = None
-    for index in indices:
-        sample = make_sample(spec.task, spec.length, index, tokenizer, spec.seed)
-        limits = (sample.max_new_tokens, sample.min_new_tokens)
+    for prompt in prompts.values():
+        limits = (prompt.sample.max_new_tokens, prompt.sample.min_new_tokens)
         if batches and limits == last and len(batches[-1]) < batch_size:
-            batches[-1].append(index)
+            batches[-1].append(prompt)
         else:
-            batches.append([index])
+            batches.append([prompt])
         last = limits
     return batches
 
@@ -349,13 +400,13 @@ class Outcome:
 
 
 def run(spec: RunSpec, samples: int, out: Path, loader: Callable[[], Loaded],
-        progress: Callable[[Iterable[list[int]]], Iterator[list[int]]] = iter, batch_size: int = 1) -> Outcome:
+        progress: Callable[[Iterable[list[Prompt]]], Iterator[list[Prompt]]] = iter, batch_size: int = 1) -> Outcome:
     """Run (or resume, or skip) one `RunSpec` for its first ``samples`` samples under ``out``.
 
     Args:
         loader: returns the `Loaded` model; called only when a sample is missing.
-        progress: wraps the iterable of batches of missing sample indices (e.g. a tqdm bar); one index each unless
-            batched.
+        progress: wraps the iterable of batches of missing samples (lists of `Prompt`; e.g. a tqdm bar); one sample
+            each unless batched.
         batch_size: samples generated together (`run_batch`) where the cache policy allows it (`batchable`);
             records are appended once their batch is done. With more than 1, every record also says how many samples
             its batch held (``"batch": B``; timings, density and cache size are then the batch's, see `run_batch`).
@@ -375,7 +426,7 @@ def run(spec: RunSpec, samples: int, out: Path, loader: Callable[[], Loaded],
         loaded = loader()
         policy = make_prefill_policy(spec.prefill, spec.config, spec.prefill_budget)
         apply_prefill(loaded.model, policy)
-        batches = plan_batches(spec, missing, batch_size, loaded.tokenizer)
+        batches = plan_batches(spec, loaded.prompts(spec, missing), batch_size)
         with (run_dir / PREDICTIONS_FILE).open("a", encoding="utf-8") as f:
             for batch in progress(batches):
                 cache = make_run_cache(loaded.model, spec.cache, spec.cache_budget)

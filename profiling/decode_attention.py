@@ -1,0 +1,174 @@
+"""What a captured decode step's pieces cost, kernel against kernel (issue 17): the static latent cache's attention
+(one new token over ``C = decode_budget + recompress_every`` buffered entries under a validity mask) in several
+formulations, and the decoder's linears (separate and fused projections), each for ``--layers`` layers of distinct
+buffers captured in one CUDA graph and replayed, so launch gaps are gone and every layer reads its own bytes.
+
+    python profiling/decode_attention.py --out docs/results/decode_static/decode_attention.json
+
+Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticLatentLayer.valid` gives it):
+
+* ``sdpa_masked``: `flexentropy.kv.attention.grouped_attention` (the GQA group folded onto the query length, one
+  SDPA call with the mask): what the captured step runs today;
+* ``sdpa_efficient``: the same call with SDPA held to its memory-efficient backend;
+* ``matmul``: the same folded product written out, ``softmax(q k^T * scale + mask) v``, in float32;
+* ``flex``: flex attention over the folded queries with the mask read in a ``score_mod``.
+
+Each row has ``us_per_layer`` and the max abs difference from ``matmul`` in float64. Linears: ``x [B, 1, hidden]``
+through a Llama-3.1-8B layer's seven projections, or through four with q/k/v and gate/up fused, with the bytes
+read per replay and the bandwidth reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import environment, time_ms, write_json  # noqa: E402
+
+from flexentropy.kv.attention import grouped_attention  # noqa: E402
+
+_flex = torch.compile(flex_attention, dynamic=False)
+
+
+def sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return grouped_attention(q, k, v, valid, None)
+
+
+def sdpa_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        return grouped_attention(q, k, v, valid, None)
+
+
+def matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    batch, q_heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    folded = q.reshape(batch, kv_heads, q_heads // kv_heads, dim).to(wide)
+    scores = folded @ k.to(wide).transpose(-1, -2) * dim**-0.5
+    weights = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+    return (weights @ v.to(wide)).reshape(batch, q_heads, 1, dim).to(q.dtype)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    batch, q_heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    mask = valid[:, :, 0]
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return torch.where(mask[b, h, kv_idx], score, float("-inf"))
+
+    return _flex(folded, k, v, score_mod=score_mod).reshape(batch, q_heads, 1, dim)
+
+
+ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
+    "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex}
+
+
+def replay_ms(step: Callable[[], object], device: torch.device) -> float:
+    """Median ms of one replay of a CUDA graph holding ``step`` (after warm-up calls outside the graph)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return time_ms(graph.replay, device, warmup=3, reps=20)
+
+
+def attention_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device).manual_seed(0)
+    for batch in args.batches:
+        shape_q, shape_kv = (batch, args.q_heads, 1, args.dim), (batch, args.kv_heads, args.capacity, args.dim)
+        layers = [(torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16),
+                   torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16),
+                   torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16),
+                   torch.rand(batch, args.kv_heads, 1, args.capacity, generator=gen, device=device) < 0.97)
+                  for _ in range(args.layers)]
+        for *_, valid in layers:
+            valid[..., 0] = True   # a row with no entry is not a decode step
+        q, k, v, valid = layers[0]
+        exact = matmul(q.double(), k.double(), v.double(), valid).double()
+        for name in args.attention:
+            fn = torch.compile(ATTENTION[name], fullgraph=True, dynamic=False)
+            row = {"part": "attention", "variant": name, "batch": batch, "capacity": args.capacity}
+            try:
+                error = (fn(q, k, v, valid).double() - exact).abs().max().item()
+                ms = replay_ms(lambda fn=fn, layers=layers: [fn(*layer) for layer in layers], device)
+                row.update(us_per_layer=round(ms * 1e3 / args.layers, 2), max_abs_error=error)
+            except Exception as err:  # noqa: BLE001 - a failed variant is a row, the others go on
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def linear_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    hidden, inter, kv = args.hidden, args.intermediate, args.kv_heads * args.dim
+    shapes = {"separate": [hidden, kv, kv, hidden, inter, inter], "fused": [hidden + 2 * kv, hidden, 2 * inter]}
+    rows = []
+    for name, outs in shapes.items():
+        layers = [[torch.randn(o, hidden, device=device, dtype=torch.bfloat16) for o in outs]
+                  + [torch.randn(hidden, inter, device=device, dtype=torch.bfloat16)] for _ in range(args.layers)]
+        nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
+        for batch in args.batches:
+            x = torch.randn(batch, 1, hidden, device=device, dtype=torch.bfloat16)
+            h = torch.randn(batch, 1, inter, device=device, dtype=torch.bfloat16)
+
+            def step(layers: list = layers, x: torch.Tensor = x, h: torch.Tensor = h) -> None:
+                for layer in layers:
+                    for w in layer[:-1]:
+                        F.linear(x, w)
+                    F.linear(h, layer[-1])
+
+            ms = replay_ms(step, device)
+            row = {"part": "linears", "variant": name, "batch": batch, "ms": round(ms, 3), "bytes": nbytes,
+                   "tb_per_s": round(nbytes / ms / 1e9, 2)}
+            print(row, flush=True)
+            rows.append(row)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--capacity", type=int, default=1056, help="decode_budget + recompress_every (1024 + 32)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
+    p.add_argument("--parts", default="attention,linears")
+    p.add_argument("--out", default="docs/results/decode_static/decode_attention.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (CUDA graphs)")
+    device = torch.device("cuda")
+    rows = []
+    if "attention" in args.parts:
+        rows += attention_rows(args, device)
+    if "linears" in args.parts:
+        rows += linear_rows(args, device)
+    write_json(args.out, {"environment": environment(), "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,11 +17,12 @@ for spec in qwen2.5-coder-0.5b:491400064:1d9614638d18024d0fbb36575a15f1302a3adf0
             qwen2.5-coder-1.5b:1117320768:cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046; do
   IFS=: read -r name bytes sha <<<"$spec"
   [ ! -s "/tmp/m/$name.gguf" ] && [ -e "/tmp/m/$name.00" ] || continue
-  held=$(cat /tmp/m/"$name".[0-9][0-9] | wc -c)
+  held=$(stat -c %s /tmp/m/"$name".[0-9][0-9] | awk '{ s += $1 } END { print s }')
   if [ "$held" -eq "$bytes" ]; then
     cat /tmp/m/"$name".[0-9][0-9] > "/tmp/m/$name.part" && rm /tmp/m/"$name".[0-9][0-9]
     # renamed only once checked, so that a job waiting for the model never reads a half-written file
-    echo "$sha  /tmp/m/$name.part" | sha256sum -c - && mv "/tmp/m/$name.part" "/tmp/m/$name.gguf"
+    echo "$sha  /tmp/m/$name.part" | sha256sum -c - && mv "/tmp/m/$name.part" "/tmp/m/$name.gguf" \
+      || rm -f "/tmp/m/$name.part"
   else   # chunks still to come, or a carry that broke off
     size=$(stat -c %s "/tmp/m/$name.00"); parts=$(( (bytes + size - 1) / size ))
     missing=$(for i in $(seq -f %02g 0 $((parts - 1))); do [ -e "/tmp/m/$name.$i" ] || printf '%s ' "$i"; done)

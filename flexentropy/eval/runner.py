@@ -149,8 +149,8 @@ def _prompt(spec: RunSpec, index: int, tokenizer: Any) -> Prompt:
 class PromptBuilder:
     """Builds prompts on ``workers`` threads, each with its own copy of ``tokenizer`` (made once per thread).
 
-    A fast tokenizer encodes with the GIL released, and drawing and encoding a 128k-token prompt takes about a second,
-    which the GPU would otherwise wait for sample after sample.
+    A fast tokenizer encodes with the GIL released, so long prompts are drawn and encoded side by side instead of the
+    GPU waiting for each one in turn.
     """
 
     def __init__(self, tokenizer: Any, workers: int = PROMPT_WORKERS) -> None:

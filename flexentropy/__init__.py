@@ -35,6 +35,7 @@ _LAZY = {
     "forward_influence": "flexentropy.diagnostics",
     "warm_up": "flexentropy.runtime.decoding",
     "greedy_decode": "flexentropy.runtime.decoding",
+    "greedy_generate": "flexentropy.runtime.decoding",
     "compile_step": "flexentropy.runtime.decoding",
 }
 
@@ -63,6 +64,7 @@ __all__ = [
     "enable",
     "forward_influence",
     "greedy_decode",
+    "greedy_generate",
     "make_cache",
     "make_prefill",
     "observation_attention",

@@ -11,7 +11,12 @@ Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticL
   SDPA call with the mask): what the captured step runs today;
 * ``sdpa_efficient``: the same call with SDPA held to its memory-efficient backend;
 * ``matmul``: the same folded product written out, ``softmax(q k^T * scale + mask) v``, in float32;
-* ``flex``: flex attention over the folded queries with the mask read in a ``score_mod``.
+* ``flex``: flex attention over the folded queries with the mask read in a ``score_mod``;
+* ``reduced``: the same product as pointwise work and sums in float32 (no matrix-product kernel: inductor writes
+  reductions that read each key and value once, in bf16);
+* ``split``: ``reduced`` with the entries cut into ``--partitions`` chunks merged by their maxima (split-KV, as
+  flash-decoding does), so that one token's attention over ~1k entries spreads over more of the GPU than one block
+  per KV head.
 
 Each row has ``us_per_layer`` and the max abs difference from ``matmul`` in float64. Linears: ``x [B, 1, hidden]``
 through a Llama-3.1-8B layer's seven projections, or through four with q/k/v and gate/up fused, with the bytes
@@ -21,6 +26,7 @@ read per replay and the bandwidth reached.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,8 +76,43 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor)
     return _flex(folded, k, v, score_mod=score_mod).reshape(batch, q_heads, 1, dim)
 
 
+def reduced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    batch, q_heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    folded = q.reshape(batch, kv_heads, q_heads // kv_heads, 1, dim).to(wide)
+    scores = (folded * k[:, :, None].to(wide)).sum(-1) * dim**-0.5           # [B, Hkv, G, C]
+    weights = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+    out = (weights[..., None] * v[:, :, None].to(wide)).sum(-2)               # [B, Hkv, G, Dv]
+    return out.reshape(batch, q_heads, 1, -1).to(q.dtype)
+
+
+def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, parts: int = 16) -> torch.Tensor:
+    """``reduced`` over ``parts`` chunks of the entries, each chunk's softmax numerator and denominator summed on its
+    own and the chunks merged by their maxima (split-KV)."""
+    batch, q_heads, _, dim = q.shape
+    kv_heads, entries = k.shape[1], k.shape[2]
+    if entries % parts:
+        raise ValueError(f"--capacity {entries} is not a multiple of --partitions {parts}")
+    wide = torch.promote_types(q.dtype, torch.float32)
+    folded = q.reshape(batch, kv_heads, q_heads // kv_heads, 1, 1, dim).to(wide)
+    keys = k.reshape(batch, kv_heads, 1, parts, entries // parts, dim).to(wide)
+    values = v.reshape(batch, kv_heads, 1, parts, entries // parts, v.shape[-1]).to(wide)
+    mask = valid.reshape(batch, kv_heads, 1, parts, entries // parts)
+    scores = ((folded * keys).sum(-1) * dim**-0.5).masked_fill(~mask, float("-inf"))   # [B, Hkv, G, P, C/P]
+    peak = scores.amax(-1)
+    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)   # a chunk with no valid entry adds 0
+    numer = (scores - peak[..., None]).exp()
+    chunk_out = (numer[..., None] * values).sum(-2)                       # [B, Hkv, G, P, Dv]
+    weight = (peak - peak.amax(-1, keepdim=True)).exp()
+    total = (numer.sum(-1) * weight).sum(-1)                              # [B, Hkv, G]
+    out = (chunk_out * weight[..., None]).sum(-2) / total[..., None]
+    return out.reshape(batch, q_heads, 1, -1).to(q.dtype)
+
+
 ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
-    "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex}
+    "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex,
+    "reduced": reduced, "split": split}
 
 
 def replay_ms(step: Callable[[], object], device: torch.device) -> float:
@@ -154,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=1056, help="decode_budget + recompress_every (1024 + 32)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--partitions", type=int, default=16, help="split: chunks of the entries")
     p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     p.add_argument("--parts", default="attention,linears")
     p.add_argument("--out", default="docs/results/decode_static/decode_attention.json")
@@ -161,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (CUDA graphs)")
     device = torch.device("cuda")
+    ATTENTION["split"] = functools.partial(split, parts=args.partitions)
     rows = []
     if "attention" in args.parts:
         rows += attention_rows(args, device)

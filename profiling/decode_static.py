@@ -320,8 +320,9 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
             traceback.print_exc()
             return {"part": "e2e", "error": f"{type(err).__name__}: {err}"}
 
-    torch._dynamo.reset()
-    yield run(lambda: flexentropy_row("cold"))
+    if args.cold:
+        torch._dynamo.reset()
+        yield run(lambda: flexentropy_row("cold"))
 
     def warm() -> dict:
         fe.enable(model, cfg, prefill="entropy")
@@ -350,6 +351,27 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
 
     if args.profile_steps:
         yield run(profile)
+
+    def loop() -> dict:
+        """The same request through `fe.greedy_generate` (a plain loop, as the dense row decodes), after
+        ``fe.warm_up(..., loop=True)``; its TTFT from a second call of one token."""
+        fe.enable(model, cfg, prefill="entropy")
+        t0 = time.perf_counter()
+        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True)
+        warm_s = time.perf_counter() - t0
+        timed = {}
+        for tokens in (new, 1):
+            sync(device)
+            t0 = time.perf_counter()
+            fe.greedy_generate(model, ids, fe.StaticLatentKVCache(cfg, model=model), tokens, compile_config=cc)
+            sync(device)
+            timed[tokens] = time.perf_counter() - t0
+        return {"part": "e2e", "variant": f"flexentropy_loop{args.tag}", "n": n, "new_tokens": new,
+                "total_s": timed[new], "ttft_s": timed[1],
+                "decode_step_ms": (timed[new] - timed[1]) / (new - 1) * 1e3, "warm_up_loop_s": warm_s,
+                "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
+
+    yield run(loop)
 
     def dense() -> dict:
         """Best dense per phase: cuDNN SDPA prefill (eager, through generate), then the compiled static decode
@@ -417,23 +439,50 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
                 "identical": eager == captured, "first_mismatch": first, "tokens": len(eager),
                 **({"model": Path(args.check_model).name} if args.check_model else {})}
 
-    def identity() -> dict:
+    eager = {"disable_compile": True}
+    captured = {"compile_config": cc}
+
+    def latent_tokens(model, **kwargs) -> list:
         cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192)  # covering the short prompt and its tokens
-        fe.enable(real, cfg, prefill="dense")
-        runs = [generate_s(real, check_ids, fe.StaticLatentKVCache(cfg, model=real), args.check_tokens, device,
-                           **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
-        return agreement("greedy_identity_covering", *runs)
+        fe.enable(model, cfg, prefill="dense")
+        return generate_s(model, check_ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
+                          **kwargs)[1]
+
+    def dense_tokens(model, **kwargs) -> list:
+        from transformers import StaticCache
+
+        model.set_attn_implementation("sdpa")
+        size = check_ids.shape[1] + args.check_tokens + 8
+        return generate_s(model, check_ids, StaticCache(config=model.config, max_cache_len=size), args.check_tokens,
+                          device, **kwargs)[1]
+
+    def identity() -> dict:
+        return agreement("greedy_identity_covering", latent_tokens(real, **eager), latent_tokens(real, **captured))
 
     def dense_control() -> dict:
         """The same identity check for dense (HF ``StaticCache``, eager against compiled): how far bf16 rounding of
         compiled kernels alone moves greedy tokens (of a random-weight model: near-tied logits)."""
-        from transformers import StaticCache
+        return agreement("greedy_identity_dense_control", dense_tokens(real, **eager), dense_tokens(real, **captured))
 
-        real.set_attn_implementation("sdpa")
-        size = check_ids.shape[1] + args.check_tokens + 8
-        runs = [generate_s(real, check_ids, StaticCache(config=real.config, max_cache_len=size), args.check_tokens,
-                           device, **kwargs)[1] for kwargs in ({"disable_compile": True}, {"compile_config": cc})]
-        return agreement("greedy_identity_dense_control", *runs)
+    def uncaptured() -> dict:
+        """Captured (CUDA graphs) against the same compiled step without them (``mode="default"``): what the
+        capture and the static buffers change, apart from compiled kernels' rounding."""
+        plain = compile_config(device, args.compile_backend)
+        plain.mode = "default"
+        return agreement("greedy_identity_captured_vs_compiled", latent_tokens(real, compile_config=plain),
+                         latent_tokens(real, **captured))
+
+    def float32() -> dict:
+        """Eager against captured in float32 (the model cast): rounding too small to flip a greedy choice."""
+        real.float()
+        try:
+            latent = agreement("greedy_identity_covering_float32", latent_tokens(real, **eager),
+                               latent_tokens(real, **captured))
+            dense = agreement("greedy_identity_dense_control_float32", dense_tokens(real, **eager),
+                              dense_tokens(real, **captured))
+        finally:
+            real.to(torch.bfloat16)
+        return {**latent, "dense_control": {k: dense[k] for k in ("identical", "first_mismatch", "tokens")}}
 
     def recompiles() -> dict:
         model = llama()
@@ -454,7 +503,8 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         return {"part": "checks", "variant": "recompiles_after_warm_up", "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
 
-    checks = {"identity": identity, "dense_control": dense_control, "recompiles": recompiles}
+    checks = {"identity": identity, "dense_control": dense_control, "uncaptured": uncaptured, "float32": float32,
+              "recompiles": recompiles}
     for fn in (checks[name] for name in args.checks):
         try:
             yield fn()
@@ -497,7 +547,8 @@ def table(rows: list[dict]) -> None:
     print(f"\n{'part':>7} {'variant':>26} {'B':>2} {'N':>7} {'step ms':>8} {'limit ms':>8} {'x limit':>7} "
           f"{'total s':>8}  notes")
     for r in rows:
-        notes = r.get("error") or {k: r[k] for k in ("identical", "first_mismatch", "graphs_compiled") if k in r}
+        notes = r.get("error") or {k: (round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in (
+            "identical", "first_mismatch", "graphs_compiled", "ttft_s", "decode_step_ms") if r.get(k) is not None}
         print(f"{r.get('part', ''):>7} {r.get('variant', ''):>26} {r.get('batch', ''):>2} {r.get('n', ''):>7} "
               f"{r.get('step_ms', float('nan')):8.2f} {r.get('limit_ms', float('nan')):8.2f} "
               f"{r.get('x_limit', float('nan')):7.2f} {r.get('total_s', float('nan')):8.2f}  {notes or ''}")
@@ -520,13 +571,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--profile-steps", type=int, default=64,
                    help="e2e: profile a generate of this many tokens on a short prompt after the warm row (0: skip)")
+    p.add_argument("--no-cold", dest="cold", action="store_false",
+                   help="e2e: skip the cold row (the first call of the process, ~90 s at 128k on the H200)")
     p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
     p.add_argument("--check-prompt", type=int, default=2048)
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--check-lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     p.add_argument("--long-steps", type=int, default=1000)
-    p.add_argument("--checks", nargs="+", choices=["identity", "dense_control", "recompiles"],
-                   default=["identity", "dense_control", "recompiles"])
+    p.add_argument("--checks", nargs="+", choices=["identity", "dense_control", "uncaptured", "float32", "recompiles"],
+                   default=["identity", "dense_control", "uncaptured", "float32", "recompiles"])
     p.add_argument("--check-model", default=None,
                    help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
                         "an alias of flexentropy.runtime.models) with an essay prompt of --check-prompt tokens; their "
@@ -538,6 +591,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tuned", action="store_true",
                    help="compile with coordinate-descent tuning (TUNED) on CUDA, dense and flexentropy alike; "
                         "the rows' variants get the suffix _tuned")
+    p.add_argument("--freeze", action="store_true",
+                   help="compile with inductor's freezing (weights as constants: q/k/v and gate/up each become one "
+                        "matrix product, at the cost of a fused copy of those weights), dense and flexentropy "
+                        "alike; the rows' variants get the suffix _frozen")
     p.add_argument("--profile-decode", action="store_true",
                    help="decode: profile 10 captured steps of static_latent_captured (OUT/decode_profile_*.txt)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
@@ -545,8 +602,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="docs/results/decode_static")
     args = p.parse_args(argv)
     default_budget = p.get_default("prefill_budget")
-    args.tag = ("_tuned" if args.tuned else "") + (f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget
-                                                   else "")
+    args.tag = ("_tuned" if args.tuned else "") + ("_frozen" if args.freeze else "") + (
+        f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget else "")
+    torch._inductor.config.freezing = args.freeze
     device = torch.device(args.device)
     out = Path(args.out)
     path = out / "decode_static.json"

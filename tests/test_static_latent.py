@@ -254,3 +254,59 @@ def test_a_user_compiled_model_decodes_phase_one_through_placeholders() -> None:
     torch._dynamo.reset()
     got = loop(torch.compile(model, backend="eager"), model, ids, StaticLatentKVCache(EVICTING, model=model), 30)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(("config", "length"), [(COVERING, 200), (EVICTING, 300)], ids=["covering", "evicting"])
+def test_greedy_generate_gives_generates_tokens(config: fe.EntropyConfig, length: int) -> None:
+    """The plain HF loop (eager) returns what greedy ``generate`` returns: one row, a left-padded batch, and
+    transformers' dense ``StaticCache``."""
+    from transformers import StaticCache
+
+    model = model_for("llama", config)
+    ids = prompt(length)
+    expected = greedy(model, ids, StaticLatentKVCache(config, model=model), 30, disable_compile=True)
+    assert torch.equal(fe.greedy_generate(model, ids, StaticLatentKVCache(config, model=model), 30), expected)
+    batch, mask = prompt(length, seed=3, batch=2), torch.ones(2, length, dtype=torch.long)
+    batch[1, :17], mask[1, :17] = 0, 0
+    expected = greedy(model, batch, StaticLatentKVCache(config, model=model), 20, attention_mask=mask,
+                      disable_compile=True)
+    got = fe.greedy_generate(model, batch, StaticLatentKVCache(config, model=model), 20, attention_mask=mask)
+    assert torch.equal(got, expected)
+    model.set_attn_implementation("sdpa")
+    expected = greedy(model, ids, StaticCache(config=model.config, max_cache_len=length + 40), 30,
+                      disable_compile=True)
+    got = fe.greedy_generate(model, ids, StaticCache(config=model.config, max_cache_len=length + 40), 30)
+    assert torch.equal(got, expected)
+
+
+def test_greedy_generate_validation() -> None:
+    from transformers import DynamicCache
+
+    model = model_for("llama", EVICTING)
+    ids = prompt(40)
+    with pytest.raises(TypeError, match="StaticLatentKVCache or transformers' StaticCache"):
+        fe.greedy_generate(model, ids, DynamicCache(config=model.config), 4)
+    with pytest.raises(ValueError, match="int64"):
+        fe.greedy_generate(model, ids.int(), StaticLatentKVCache(EVICTING, model=model), 4)
+    with pytest.raises(ValueError, match="must match input_ids"):
+        fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 4,
+                           attention_mask=torch.ones(1, 39, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 0)
+
+
+def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:
+    """``warm_up(loop=True)`` compiles the loop's static decode graph (one graph, no break); another prompt
+    length and more steps then compile nothing, with the eager tokens."""
+    model = model_for("llama", EVICTING)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fe.warm_up(model, [300], config=EVICTING, compile_config=cpu_compile(), loop=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    ids = prompt(377, seed=6)
+    expected = greedy(model, ids, LatentKVCache(EVICTING), 50, disable_compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 50,
+                                 compile_config=cpu_compile(), compiled=True)
+    assert torch.equal(got, expected)

@@ -1,5 +1,6 @@
-"""Captured decoding: a plain greedy loop over a `StaticLatentKVCache` (models built from `EntropyAttention` or any
-module with the same step signature), and `warm_up`, which compiles a server's prefill and decode graphs once.
+"""Captured decoding: plain greedy loops over a `StaticLatentKVCache` (`greedy_decode` for models built from
+`EntropyAttention` or any module with the same step signature, `greedy_generate` for HF causal LMs), and `warm_up`,
+which compiles a server's prefill and decode graphs once.
 
 Decode steps on the cache's static phase run a compiled step (CUDA: ``torch.compile(mode="reduce-overhead")``, i.e.
 CUDA graphs; CPU: plain ``torch.compile``); the eager work of each step (the cache's decisions) runs before it in
@@ -57,11 +58,79 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
     return torch.cat(out, dim=1)
 
 
+def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: int, *,
+                    attention_mask: torch.Tensor | None = None, compile_config: Any = None,
+                    compiled: bool | None = None) -> torch.Tensor:
+    """Greedy decoding of an HF causal LM in a plain loop: what ``model.generate(..., do_sample=False)`` returns
+    after the prompt, without its per-step host work and synchronisation (its stopping checks), so that the next
+    step's launch overlaps the current step on the GPU. No stopping token: exactly ``max_new_tokens`` tokens.
+
+    The decode steps run the model's compiled call (``model.get_compiled_call(compile_config)``, as ``generate``);
+    for a `StaticLatentKVCache`, its phase-1 steps run eagerly and each static step after its `prepare`. The loop's
+    decode graph is not ``generate``'s (``generate`` passes other keywords, which differ between transformers
+    versions): ``warm_up(model, lengths, loop=True)`` compiles it before serving.
+
+    Args:
+        model: an HF causal LM (switched by `flexentropy.enable` or not).
+        input_ids: int64 ``[B, N]`` the prompt.
+        cache: a `StaticLatentKVCache` (left-padded batches allowed: it reads the padding from the prompt) or
+            transformers' ``StaticCache`` (the dense baseline; no padding).
+        max_new_tokens: tokens to generate, the prompt's greedy next token included.
+        attention_mask: ``[B, N]`` of the prompt (1 real, 0 left padding); None: no padding.
+        compile_config: transformers' ``CompileConfig`` of the decode steps (default: the model's).
+        compiled: run the decode steps compiled; None: on CUDA only, as ``generate``.
+
+    Returns:
+        int64 ``[B, max_new_tokens]``.
+    """
+    from transformers import StaticCache
+
+    from flexentropy.caches.static_latent import StaticLatentKVCache
+    from flexentropy.integrations.hf import cache_keyword
+
+    check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"greedy_generate expects input_ids int64 [B, N], got {input_ids.dtype} "
+                         f"{list(input_ids.shape)}")
+    if not isinstance(cache, StaticLatentKVCache | StaticCache):
+        raise TypeError(f"greedy_generate decodes over a StaticLatentKVCache or transformers' StaticCache, got "
+                        f"{type(cache).__name__}; use model.generate for other caches")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids "
+                             f"{list(input_ids.shape)}")
+        if not isinstance(cache, StaticLatentKVCache) and not bool(attention_mask.all()):
+            raise ValueError("greedy_generate runs a padded batch only over a StaticLatentKVCache (its decode "
+                             "steps need no mask); a StaticCache batch must not be padded")
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    else:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if compiled is None:
+        compiled = input_ids.device.type == "cuda"
+    if compile_config is None:
+        compile_config = getattr(model.generation_config, "compile_config", None)
+    keyword = {cache_keyword(model): cache}
+    call = model.get_compiled_call(compile_config) if compiled else model.__call__
+    with torch.no_grad():   # as generate: inference tensors would fail the compiled graphs' guards
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **keyword,
+                       use_cache=True, logits_to_keep=1).logits
+        tokens = logits[:, -1:].argmax(dim=-1)
+        position = positions[:, -1:] + 1
+        out = [tokens]
+        for _ in range(max_new_tokens - 1):
+            logits = call(input_ids=tokens, position_ids=position, **keyword, use_cache=True, logits_to_keep=1).logits
+            tokens = logits[:, -1:].argmax(dim=-1)
+            position = position + 1
+            out.append(tokens)
+    return torch.cat(out, dim=1)
+
+
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
-            new_tokens: int | None = None, compile_config: Any = None) -> dict[int, float]:
+            new_tokens: int | None = None, compile_config: Any = None, loop: bool = False) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
     ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly),
-    through ``model.generate``.
+    through ``model.generate`` or, with ``loop=True``, through `greedy_generate` (each compiles its own decode
+    graph: warm up the one that will serve).
 
     Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
     above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the
@@ -77,6 +146,8 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
             recompression, ``decode_delay + recompress_every + 2``).
         compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
             compiles only with one whose ``_compile_all_devices`` is set).
+        loop: warm `greedy_generate` (compiled when the model is on CUDA or ``compile_config`` compiles all
+            devices) instead of ``generate``.
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -102,10 +173,14 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
         cache = StaticLatentKVCache(config, model=model)
         start_time = time.perf_counter()
-        # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's own calls
-        model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
-                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=0, **{cache_keyword(model): cache}, **extra)
+        if loop:
+            greedy_generate(model, ids.to(model.device), cache, new_tokens, compile_config=compile_config,
+                            compiled=model.device.type == "cuda"
+                            or getattr(compile_config, "_compile_all_devices", False))
+        else:  # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's calls
+            model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, **{cache_keyword(model): cache}, **extra)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         seconds[length] = time.perf_counter() - start_time

@@ -308,5 +308,5 @@ def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:
     expected = greedy(model, ids, LatentKVCache(EVICTING), 50, disable_compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 50,
-                                 compile_config=cpu_compile(), compiled=True)
+                                 compile_config=cpu_compile())
     assert torch.equal(got, expected)

@@ -78,7 +78,8 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
         max_new_tokens: tokens to generate, the prompt's greedy next token included.
         attention_mask: ``[B, N]`` of the prompt (1 real, 0 left padding); None: no padding.
         compile_config: transformers' ``CompileConfig`` of the decode steps (default: the model's).
-        compiled: run the decode steps compiled; None: on CUDA only, as ``generate``.
+        compiled: run the decode steps compiled; None: as ``generate`` does, on CUDA, or anywhere with a
+            ``compile_config`` whose ``_compile_all_devices`` is set.
 
     Returns:
         int64 ``[B, max_new_tokens]``.
@@ -105,10 +106,10 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     else:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    if compiled is None:
-        compiled = input_ids.device.type == "cuda"
     if compile_config is None:
         compile_config = getattr(model.generation_config, "compile_config", None)
+    if compiled is None:
+        compiled = input_ids.device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
     keyword = {cache_keyword(model): cache}
     call = model.get_compiled_call(compile_config) if compiled else model.__call__
     with torch.no_grad():   # as generate: inference tensors would fail the compiled graphs' guards
@@ -146,8 +147,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
             recompression, ``decode_delay + recompress_every + 2``).
         compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
             compiles only with one whose ``_compile_all_devices`` is set).
-        loop: warm `greedy_generate` (compiled when the model is on CUDA or ``compile_config`` compiles all
-            devices) instead of ``generate``.
+        loop: warm `greedy_generate` instead of ``generate``.
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -174,9 +174,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         cache = StaticLatentKVCache(config, model=model)
         start_time = time.perf_counter()
         if loop:
-            greedy_generate(model, ids.to(model.device), cache, new_tokens, compile_config=compile_config,
-                            compiled=model.device.type == "cuda"
-                            or getattr(compile_config, "_compile_all_devices", False))
+            greedy_generate(model, ids.to(model.device), cache, new_tokens, compile_config=compile_config)
         else:  # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's calls
             model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,

@@ -484,33 +484,43 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
             real.to(torch.bfloat16)
         return {**latent, "dense_control": {k: dense[k] for k in ("identical", "first_mismatch", "tokens")}}
 
-    def recompiles() -> dict:
+    def recompiles(loop: bool = False) -> dict:
+        """Graphs compiled after one warm-up across ``--check-lengths`` (``--long-steps`` steps at the first),
+        through ``generate`` or (``loop``) `fe.greedy_generate`."""
         model = llama()
         vocab = model.config.vocab_size - 1
         cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
         fe.enable(model, cfg, prefill="entropy")
-        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
+        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         per_length = {}
         for length in args.check_lengths:
             ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
             steps = args.long_steps if length == args.check_lengths[0] else 8
             cache = fe.StaticLatentKVCache(cfg, model=model)
-            seconds, _ = generate_s(model, ids, cache, steps, device, compile_config=cc)
+            if loop:
+                sync(device)
+                t0 = time.perf_counter()
+                fe.greedy_generate(model, ids, cache, steps, compile_config=cc)
+                sync(device)
+                seconds = time.perf_counter() - t0
+            else:
+                seconds, _ = generate_s(model, ids, cache, steps, device, compile_config=cc)
             per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
                                        "graphs_since_warm_up":
                                            int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
-        return {"part": "checks", "variant": "recompiles_after_warm_up", "per_length": per_length,
+        return {"part": "checks", "variant": "recompiles_after_warm_up" + ("_loop" if loop else ""),
+                "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
 
     checks = {"identity": identity, "dense_control": dense_control, "uncaptured": uncaptured, "float32": float32,
-              "recompiles": recompiles}
-    for fn in (checks[name] for name in args.checks):
+              "recompiles": recompiles, "recompiles_loop": functools.partial(recompiles, loop=True)}
+    for name in args.checks:
         try:
-            yield fn()
+            yield checks[name]()
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
-            yield {"part": "checks", "variant": fn.__name__, "error": f"{type(err).__name__}: {err}"}
+            yield {"part": "checks", "variant": name, "error": f"{type(err).__name__}: {err}"}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -578,8 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--check-lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     p.add_argument("--long-steps", type=int, default=1000)
-    p.add_argument("--checks", nargs="+", choices=["identity", "dense_control", "uncaptured", "float32", "recompiles"],
-                   default=["identity", "dense_control", "uncaptured", "float32", "recompiles"])
+    checks = ["identity", "dense_control", "uncaptured", "float32", "recompiles", "recompiles_loop"]
+    p.add_argument("--checks", nargs="+", choices=checks, default=checks)
     p.add_argument("--check-model", default=None,
                    help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
                         "an alias of flexentropy.runtime.models) with an essay prompt of --check-prompt tokens; their "

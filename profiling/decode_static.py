@@ -263,6 +263,15 @@ def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, 
     return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
 
 
+def loop_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, compile_config) -> float:
+    """Seconds of ``fe.greedy_generate`` of ``new`` tokens after ``ids`` (the plain-loop twin of `generate_s`)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fe.greedy_generate(model, ids, cache, new, compile_config=compile_config)
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def flash_flex_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
     """An HF attention function for the dense baseline's FLASH-backend prefill: a prompt (``query``, ``key``,
@@ -359,13 +368,8 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         t0 = time.perf_counter()
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True)
         warm_s = time.perf_counter() - t0
-        timed = {}
-        for tokens in (new, 1):
-            sync(device)
-            t0 = time.perf_counter()
-            fe.greedy_generate(model, ids, fe.StaticLatentKVCache(cfg, model=model), tokens, compile_config=cc)
-            sync(device)
-            timed[tokens] = time.perf_counter() - t0
+        timed = {tokens: loop_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), tokens, device, cc)
+                 for tokens in (new, 1)}
         return {"part": "e2e", "variant": f"flexentropy_loop{args.tag}", "n": n, "new_tokens": new,
                 "total_s": timed[new], "ttft_s": timed[1],
                 "decode_step_ms": (timed[new] - timed[1]) / (new - 1) * 1e3, "warm_up_loop_s": warm_s,
@@ -498,14 +502,8 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
             ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
             steps = args.long_steps if length == args.check_lengths[0] else 8
             cache = fe.StaticLatentKVCache(cfg, model=model)
-            if loop:
-                sync(device)
-                t0 = time.perf_counter()
-                fe.greedy_generate(model, ids, cache, steps, compile_config=cc)
-                sync(device)
-                seconds = time.perf_counter() - t0
-            else:
-                seconds, _ = generate_s(model, ids, cache, steps, device, compile_config=cc)
+            seconds = (loop_s(model, ids, cache, steps, device, cc) if loop
+                       else generate_s(model, ids, cache, steps, device, compile_config=cc)[0])
             per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
                                        "graphs_since_warm_up":
                                            int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}

@@ -1,5 +1,8 @@
 # Source at the start of every call on the H200 device machine (run from the repository root there):
-#   source profiling/h200/setup.sh
+#   source profiling/h200/setup.sh > /tmp/setup.log 2>&1
+# directly, not through a pipe (`source ... | tail` runs it in a subshell: its PYTHONPATH is lost, and with it
+# flash-attn-4). The machine goes back ~30 s after a call ends, with /tmp and a background queue: while a queue
+# runs, make the next call at once.
 # It takes what the call carried into /tmp, which the machine keeps while it stays warm (~30 s between calls):
 #   .fa4a, .fa4b  flash-attn-4 wheels (../shared/tools/fa4-wheels.sh, rebalanced into two carries under 64 MiB)
 #   .whl          other wheels (gguf, needlehaystack)

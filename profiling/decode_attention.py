@@ -16,7 +16,11 @@ Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticL
   reductions that read each key and value once, in bf16);
 * ``split``: ``reduced`` with the entries cut into ``--partitions`` chunks merged by their maxima (split-KV, as
   flash-decoding does), so that one token's attention over ~1k entries spreads over more of the GPU than one block
-  per KV head.
+  per KV head;
+* ``fa4``: flash-attn-4's kernel (``flash_attn.cute.flash_attn_func``, GQA packed, one split: 4.0.0b36 asserts
+  "SplitKV not supported on SM 9.0" for more) over all ``C`` entries, unmasked; eager (its launches captured in the
+  graph), where flash-attn-4 is importable. It takes no boolean mask: the step would pass its valid count per row
+  (a prefix when no row is padded), so its error is against the unmasked product.
 
 Each row has ``us_per_layer`` and the max abs difference from ``matmul`` in float64. Linears: ``x [B, 1, hidden]``
 through a Llama-3.1-8B layer's seven projections, or through four with q/k/v and gate/up fused, with the bytes
@@ -110,9 +114,19 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
     return out.reshape(batch, q_heads, 1, -1).to(q.dtype)
 
 
+def fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_func
+
+    out, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), num_splits=1, pack_gqa=True)
+    return out.transpose(1, 2)
+
+
+EAGER = {"fa4"}
+"""Variants run eagerly (not traceable), unmasked."""
+
 ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex,
-    "reduced": reduced, "split": split}
+    "reduced": reduced, "split": split, "fa4": fa4}
 
 
 def replay_ms(step: Callable[[], object], device: torch.device) -> float:
@@ -143,11 +157,14 @@ def attention_rows(args: argparse.Namespace, device: torch.device) -> list[dict]
             valid[..., 0] = True   # a row with no entry is not a decode step
         q, k, v, valid = layers[0]
         exact = matmul(q.double(), k.double(), v.double(), valid).double()
+        unmasked = matmul(q.double(), k.double(), v.double(), torch.ones_like(valid)).double()
         for name in args.attention:
-            fn = torch.compile(ATTENTION[name], fullgraph=True, dynamic=False)
-            row = {"part": "attention", "variant": name, "batch": batch, "capacity": args.capacity}
+            eager = name in EAGER
+            fn = ATTENTION[name] if eager else torch.compile(ATTENTION[name], fullgraph=True, dynamic=False)
+            row = {"part": "attention", "variant": name, "batch": batch, "capacity": args.capacity,
+                   "masked": not eager}
             try:
-                error = (fn(q, k, v, valid).double() - exact).abs().max().item()
+                error = (fn(q, k, v, valid).double() - (unmasked if eager else exact)).abs().max().item()
                 ms = replay_ms(lambda fn=fn, layers=layers: [fn(*layer) for layer in layers], device)
                 row.update(us_per_layer=round(ms * 1e3 / args.layers, 2), max_abs_error=error)
             except Exception as err:  # noqa: BLE001 - a failed variant is a row, the others go on
@@ -196,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--partitions", type=int, default=16, help="split: chunks of the entries")
-    p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
+    p.add_argument("--attention", nargs="+", default=[a for a in ATTENTION if a not in EAGER],
+                   choices=list(ATTENTION))
     p.add_argument("--parts", default="attention,linears")
     p.add_argument("--out", default="docs/results/decode_static/decode_attention.json")
     args = p.parse_args(argv)

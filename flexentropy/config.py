@@ -18,6 +18,7 @@ Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 BACKENDS = ("auto", "triton", "flash")
+DECODE_KERNELS = ("auto", "sdpa", "flash")
 
 COVERAGE_LENGTHS = (32768, 131072)
 """Prompt lengths (tokens) at which a ``(short, long)`` coverage takes its two values (`coverage_at`)."""
@@ -97,6 +98,9 @@ class EntropyConfig:
         recompress_every: R: after the first eviction, evict again whenever ``decode_budget + R`` entries are
             stored, so a KV head never holds more than ``decode_budget + R`` entries (default 32: the budget bounds
             memory). None evicts once, as the paper does: the cache then grows by one entry per generated token.
+        decode_kernel: attention kernel of a `StaticLatentKVCache` decode step: ``"auto"`` (flash-attn-4's, half
+            the time of SDPA's on the H200, where it can run: CUDA, 16-bit, flash-attn-4 importable, no padded
+            row; else SDPA with the validity mask), ``"sdpa"`` or ``"flash"`` (raises where it cannot run).
     """
 
     segment_size: int = 256
@@ -125,6 +129,7 @@ class EntropyConfig:
     decode_pool: int = 5
     decode_score: Literal["softmax", "raw"] = "softmax"
     recompress_every: int | None = 32
+    decode_kernel: Literal["auto", "sdpa", "flash"] = "auto"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -161,6 +166,7 @@ class EntropyConfig:
             raise ValueError(f"EntropyConfig.probes must divide segment_size={self.segment_size}, got {self.probes}")
         check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
         check_choice(owner, "backend", self.backend, BACKENDS)
+        check_choice(owner, "decode_kernel", self.decode_kernel, DECODE_KERNELS)
         if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"EntropyConfig.dense_layers must be a tuple of layer indices >= 0, "
                              f"got {self.dense_layers!r}")

@@ -5,7 +5,8 @@ buffers captured in one CUDA graph and replayed, so launch gaps are gone and eve
 
     python profiling/decode_attention.py --out docs/results/decode_static/decode_attention.json
 
-Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticLatentLayer.valid` gives it):
+Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticLatentLayer.valid` gives it for an
+unpadded batch: the first ``C - 26`` entries of every row, a step between two recompressions):
 
 * ``sdpa_masked``: `flexentropy.kv.attention.grouped_attention` (the GQA group folded onto the query length, one
   SDPA call with the mask): what the captured step runs today;
@@ -17,10 +18,9 @@ Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticL
 * ``split``: ``reduced`` with the entries cut into ``--partitions`` chunks merged by their maxima (split-KV, as
   flash-decoding does), so that one token's attention over ~1k entries spreads over more of the GPU than one block
   per KV head;
-* ``fa4``: flash-attn-4's kernel (``flash_attn.cute.flash_attn_func``, GQA packed, one split: 4.0.0b36 asserts
-  "SplitKV not supported on SM 9.0" for more) over all ``C`` entries, unmasked; eager (its launches captured in the
-  graph), where flash-attn-4 is importable. It takes no boolean mask: the step would pass its valid count per row
-  (a prefix when no row is padded), so its error is against the unmasked product.
+* ``flash``: `flexentropy.kv.attention.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one split:
+  4.0.0b36 asserts "SplitKV not supported on SM 9.0" for more), masked by the count of valid entries per row
+  (``StaticLatentLayer.lengths``), where flash-attn-4 is importable: what the captured step runs when it can.
 
 Each row has ``us_per_layer`` and the max abs difference from ``matmul`` in float64. Linears: ``x [B, 1, hidden]``
 through a Llama-3.1-8B layer's seven projections, or through four with q/k/v and gate/up fused, with the bytes
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, time_ms, write_json  # noqa: E402
 
-from flexentropy.kv.attention import grouped_attention  # noqa: E402
+from flexentropy.kv.attention import flash_decode, grouped_attention  # noqa: E402
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -114,19 +114,12 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
     return out.reshape(batch, q_heads, 1, -1).to(q.dtype)
 
 
-def fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    from flash_attn.cute import flash_attn_func
-
-    out, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), num_splits=1, pack_gqa=True)
-    return out.transpose(1, 2)
-
-
-EAGER = {"fa4"}
-"""Variants run eagerly (not traceable), unmasked."""
+BY_LENGTH = {"flash"}
+"""Variants that take the count of valid entries per row ``[B]`` in place of the mask."""
 
 ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex,
-    "reduced": reduced, "split": split, "fa4": fa4}
+    "reduced": reduced, "split": split, "flash": flash_decode}
 
 
 def replay_ms(step: Callable[[], object], device: torch.device) -> float:
@@ -146,26 +139,25 @@ def replay_ms(step: Callable[[], object], device: torch.device) -> float:
 def attention_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     gen = torch.Generator(device).manual_seed(0)
+    valid = args.capacity - 26
     for batch in args.batches:
         shape_q, shape_kv = (batch, args.q_heads, 1, args.dim), (batch, args.kv_heads, args.capacity, args.dim)
         layers = [(torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16),
                    torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16),
                    torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16),
-                   torch.rand(batch, args.kv_heads, 1, args.capacity, generator=gen, device=device) < 0.97)
+                   (torch.arange(args.capacity, device=device) < valid).expand(batch, args.kv_heads, 1, -1),
+                   torch.full((batch,), valid, dtype=torch.int32, device=device))
                   for _ in range(args.layers)]
-        for *_, valid in layers:
-            valid[..., 0] = True   # a row with no entry is not a decode step
-        q, k, v, valid = layers[0]
-        exact = matmul(q.double(), k.double(), v.double(), valid).double()
-        unmasked = matmul(q.double(), k.double(), v.double(), torch.ones_like(valid)).double()
+        q, k, v, mask, _ = layers[0]
+        exact = matmul(q.double(), k.double(), v.double(), mask).double()
         for name in args.attention:
-            eager = name in EAGER
-            fn = ATTENTION[name] if eager else torch.compile(ATTENTION[name], fullgraph=True, dynamic=False)
-            row = {"part": "attention", "variant": name, "batch": batch, "capacity": args.capacity,
-                   "masked": not eager}
+            fn = torch.compile(ATTENTION[name], fullgraph=True, dynamic=False)
+            pick = (lambda layer: (*layer[:3], layer[4])) if name in BY_LENGTH else (lambda layer: layer[:4])
+            row = {"part": "attention", "variant": name, "batch": batch, "capacity": args.capacity, "valid": valid}
             try:
-                error = (fn(q, k, v, valid).double() - (unmasked if eager else exact)).abs().max().item()
-                ms = replay_ms(lambda fn=fn, layers=layers: [fn(*layer) for layer in layers], device)
+                error = (fn(*pick(layers[0])).double() - exact).abs().max().item()
+                ms = replay_ms(lambda fn=fn, pick=pick, layers=layers: [fn(*pick(layer)) for layer in layers],
+                               device)
                 row.update(us_per_layer=round(ms * 1e3 / args.layers, 2), max_abs_error=error)
             except Exception as err:  # noqa: BLE001 - a failed variant is a row, the others go on
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
@@ -213,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--partitions", type=int, default=16, help="split: chunks of the entries")
-    p.add_argument("--attention", nargs="+", default=[a for a in ATTENTION if a not in EAGER],
-                   choices=list(ATTENTION))
+    p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     p.add_argument("--parts", default="attention,linears")
     p.add_argument("--out", default="docs/results/decode_static/decode_attention.json")
     args = p.parse_args(argv)

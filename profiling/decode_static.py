@@ -179,7 +179,7 @@ def profile_steps(step: Callable[[], None], device: torch.device, path: Path, st
 def decode_row(model, variant: str, batch: int, n: int, args, device: torch.device) -> dict:
     from transformers import DynamicCache, StaticCache
 
-    cfg = fe.EntropyConfig(decode_budget=args.budget)
+    cfg = fe.EntropyConfig(decode_budget=args.budget, decode_kernel=args.decode_kernel)
     config = compile_config(device, args.compile_backend, args.tuned)
     row = {"part": "decode", "variant": variant + args.tag, "batch": batch, "n": n}
     with torch.inference_mode():
@@ -216,6 +216,7 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
                     row["gpu_busy_ms"] = profile_steps(step_compiled, device, Path(args.out) /
                                                        f"decode_profile_{row['variant']}_b{batch}_{n}.txt")
                 entries = cache.capacity
+                row["decode_kernel"] = "flash" if cache.layers[0].flash else "sdpa"
             else:
                 row["step_ms"] = time_steps(step, device, args.warm, args.steps)
                 entries = cache.stored_length(0)
@@ -309,7 +310,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
     cfg = speed_config(decode_budget=args.budget, base_budget=args.prefill_budget,
-                       probe_kernel=PROBE_KERNEL[args.probe_kernel])
+                       probe_kernel=PROBE_KERNEL[args.probe_kernel], decode_kernel=args.decode_kernel)
 
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
@@ -447,7 +448,8 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
     captured = {"compile_config": cc}
 
     def latent_tokens(model, **kwargs) -> list:
-        cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192)  # covering the short prompt and its tokens
+        # covering the short prompt and its tokens
+        cfg = fe.EntropyConfig(decode_budget=8192, dense_prefix=8192, decode_kernel=args.decode_kernel)
         fe.enable(model, cfg, prefill="dense")
         return generate_s(model, check_ids, fe.StaticLatentKVCache(cfg, model=model), args.check_tokens, device,
                           **kwargs)[1]
@@ -493,7 +495,8 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         through ``generate`` or (``loop``) `fe.greedy_generate`."""
         model = llama()
         vocab = model.config.vocab_size - 1
-        cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel])
+        cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel],
+                           decode_kernel=args.decode_kernel)
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -556,7 +559,8 @@ def table(rows: list[dict]) -> None:
           f"{'total s':>8}  notes")
     for r in rows:
         notes = r.get("error") or {k: (round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in (
-            "identical", "first_mismatch", "graphs_compiled", "ttft_s", "decode_step_ms") if r.get(k) is not None}
+            "identical", "first_mismatch", "graphs_compiled", "ttft_s", "decode_step_ms", "decode_kernel",
+            "gpu_busy_ms") if r.get(k) is not None}
         print(f"{r.get('part', ''):>7} {r.get('variant', ''):>26} {r.get('batch', ''):>2} {r.get('n', ''):>7} "
               f"{r.get('step_ms', float('nan')):8.2f} {r.get('limit_ms', float('nan')):8.2f} "
               f"{r.get('x_limit', float('nan')):7.2f} {r.get('total_s', float('nan')):8.2f}  {notes or ''}")
@@ -607,11 +611,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode: profile 10 captured steps of static_latent_captured (OUT/decode_profile_*.txt)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
                    help="e2e and checks: EntropyConfig.probe_kernel (auto: the library's default, the kernel on CUDA)")
+    p.add_argument("--decode-kernel", choices=["auto", "sdpa", "flash"], default="auto",
+                   help="EntropyConfig.decode_kernel of the static latent cache (auto: flash-attn-4's where it can "
+                        "run); other than auto, the rows' variants get it as a suffix")
     p.add_argument("--out", default="docs/results/decode_static")
     args = p.parse_args(argv)
     default_budget = p.get_default("prefill_budget")
     args.tag = ("_tuned" if args.tuned else "") + ("_frozen" if args.freeze else "") + (
-        f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget else "")
+        f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget else "") + (
+        f"_{args.decode_kernel}" if args.decode_kernel != "auto" else "")
     torch._inductor.config.freezing = args.freeze
     device = torch.device(args.device)
     out = Path(args.out)

@@ -16,6 +16,7 @@ from transformers.generation import CompileConfig
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.integrations.hf import cache_keyword, enable
+from flexentropy.kv.attention import flash_decode, grouped_attention
 from flexentropy.runtime.decoding import compile_step, greedy_decode
 
 VOCAB = 256
@@ -83,6 +84,7 @@ def test_memory_bounded_and_shapes_static() -> None:
     model = model_for("llama", EVICTING)
     cache = StaticLatentKVCache(EVICTING, model=model)
     seen: list[tuple] = []
+    prefixes: list[bool] = []
     layer = cache.layers[1]
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -90,6 +92,9 @@ def test_memory_bounded_and_shapes_static() -> None:
             buffers = layer.buffers
             seen.append((cache.nbytes(), tuple(buffers["keys"].shape), buffers["keys"].data_ptr(),
                          tuple(layer.valid().shape)))
+            # flash_decode's lengths mask what the validity mask does (an unpadded batch): a prefix of each row
+            prefix = torch.arange(cache.capacity) < layer.lengths[:, None, None, None]
+            prefixes.append(torch.equal(layer.valid(), prefix.expand_as(layer.valid())))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
     try:
@@ -97,6 +102,7 @@ def test_memory_bounded_and_shapes_static() -> None:
     finally:
         handle.remove()
     assert len(seen) > 100 and len(set(seen)) == 1
+    assert len(prefixes) == len(seen) and all(prefixes)
     assert seen[0][1][2] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
     assert cache.stored_length(1) <= cache.capacity
 
@@ -141,6 +147,41 @@ def test_validation() -> None:
     with pytest.raises(ValueError, match="model= or num_layers="):
         StaticLatentKVCache(EVICTING)
     assert StaticLatentKVCache(EVICTING, num_layers=2).is_compileable
+    with pytest.raises(ValueError, match="decode_kernel"):
+        EVICTING.replace(decode_kernel="triton")
+    flash = EVICTING.replace(decode_kernel="flash")
+    model = model_for("llama", flash)
+    with pytest.raises(ValueError, match="decode_kernel='flash' needs a CUDA device"):
+        greedy(model, prompt(300), StaticLatentKVCache(flash, model=model), 8, disable_compile=True)
+
+
+def test_flash_decode_traces_to_its_output_shape() -> None:
+    """The kernel is a custom op: a compiled step traces it through its fake (no flash-attn-4 needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        query, keys = torch.empty(2, 8, 1, 64, dtype=torch.bfloat16), torch.empty(2, 2, 96, 64, dtype=torch.bfloat16)
+        out = flash_decode(query, keys, torch.empty(2, 2, 96, 32, dtype=torch.bfloat16),
+                           torch.empty(2, dtype=torch.int32))
+    assert out.shape == (2, 8, 1, 32) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_flash_decode_matches_masked_sdpa(batch: int) -> None:
+    """flash-attn-4's decode kernel (needs it installed) against SDPA under the prefix mask, eager and in a
+    captured compiled step."""
+    pytest.importorskip("flash_attn.cute")
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    query = torch.randn(batch, 32, 1, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    keys, values = (torch.randn(batch, 8, 1056, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+                    for _ in range(2))
+    lengths = torch.full((batch,), 1030, dtype=torch.int32, device="cuda")
+    prefix = (torch.arange(1056, device="cuda") < 1030).expand(batch, 8, 1, 1056)
+    expected = grouped_attention(query, keys, values, prefix, None).float()
+    step = torch.compile(flash_decode, mode="reduce-overhead", fullgraph=True)
+    for fn in (flash_decode, step, step, step):
+        torch.testing.assert_close(fn(query, keys, values, lengths).float(), expected, atol=2e-2, rtol=0)
 
 
 def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:

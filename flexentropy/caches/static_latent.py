@@ -42,7 +42,7 @@ from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.layer import PolicyLayer, _nbytes, nan_entries
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.attention import decode_attention, grouped_attention
+from flexentropy.kv.attention import decode_attention, flash_decode, flash_decode_usable, grouped_attention
 
 _HOOK_ATTR = "_flexentropy_static_hook"
 _CALL_ATTR = "_flexentropy_phase_call"
@@ -62,6 +62,9 @@ class StaticLatentLayer(PolicyLayer):
         capacity: ``C``, entries per KV head the buffers hold.
         slot: int64 ``[1]`` the buffer slot the next token is written to (shared by the cache's layers).
         position: int64 0-dim, the logical position of the next token (shared; ``get_seq_length`` under compile).
+        lengths: int32 ``[B]``, the slots written so far (``slot + 1`` per row; shared), for `flash_decode`.
+        kernel: `EntropyConfig.decode_kernel`; ``flash``: whether the static steps run `flash_decode` (decided
+            at the phase switch).
     """
 
     is_compileable = True
@@ -74,10 +77,13 @@ class StaticLatentLayer(PolicyLayer):
         self.reserve = self.policy.delay
         self.slot: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.kernel = "auto"
 
     def _clear(self) -> None:
         super()._clear()
         self.static = False
+        self.flash = False
 
     # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
     def _allocate(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None
@@ -106,6 +112,7 @@ class StaticLatentLayer(PolicyLayer):
             torch.arange(self.capacity, device=self.keys.device))
         self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
         self.static = True
+        self.flash = flash_decode_usable(self.kernel, self.keys, padded=self.padding is not None)
         self._store(self.keys, self.values)
         self._spare.clear()   # phase 1's prompt-sized buffers
 
@@ -174,7 +181,10 @@ class StaticLatentLayer(PolicyLayer):
         return (self.buffers["slots"] <= self.slot) & self.buffers["real"]
 
     def attend_static(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """``[B, Hq, 1, Dv]``: the step's attention over the buffers under `valid` (GQA folded, one SDPA call)."""
+        """``[B, Hq, 1, Dv]``: the step's attention over the buffers, the first `lengths` slots of each row with
+        `flash_decode`, else under `valid` (GQA folded, one SDPA call)."""
+        if self.flash:
+            return flash_decode(query, self.buffers["keys"], self.buffers["values"], self.lengths, scale)
         return grouped_attention(query, self.buffers["keys"], self.buffers["values"], self.valid(), scale)
 
     def placeholder(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +251,9 @@ class StaticLatentKVCache(LatentKVCache):
         self._layer(self.num_layers - 1)
         self.slot = torch.zeros(1, dtype=torch.long)
         self.position = torch.zeros((), dtype=torch.long)
+        self.lengths = torch.zeros(1, dtype=torch.int32)
+        for layer in self.layers:
+            layer.kernel = self.config.decode_kernel
         self._share_counters()
         self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
         if model is not None:
@@ -248,7 +261,7 @@ class StaticLatentKVCache(LatentKVCache):
 
     def _share_counters(self) -> None:
         for layer in self.layers:
-            layer.slot, layer.position = self.slot, self.position
+            layer.slot, layer.position, layer.lengths = self.slot, self.position, self.lengths
 
     @property
     def capacity(self) -> int:
@@ -267,13 +280,16 @@ class StaticLatentKVCache(LatentKVCache):
         slots = {layer.begin_step(q_len) for layer in layers}
         if len(slots) != 1:
             raise RuntimeError(f"{type(self).__name__}: layers hold different entry counts {sorted(slots)}")
-        device = layers[0].keys.device
-        if self.slot.device != device:
+        device, batch = layers[0].keys.device, layers[0].keys.shape[0]
+        if self.slot.device != device or self.lengths.shape[0] != batch:
             self.slot, self.position = self.slot.to(device), self.position.to(device)
-            torch._dynamo.mark_static_address(self.slot, guard=False)
-            torch._dynamo.mark_static_address(self.position, guard=False)
+            self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+            for counter in (self.slot, self.position, self.lengths):
+                torch._dynamo.mark_static_address(counter, guard=False)
             self._share_counters()
-        self.slot.fill_(slots.pop())
+        slot = slots.pop()
+        self.slot.fill_(slot)
+        self.lengths.fill_(slot + 1)
         self.position.fill_(layers[0].seen - q_len)
 
     @contextlib.contextmanager

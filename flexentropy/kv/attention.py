@@ -11,10 +11,70 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexentropy.prefill.kernel import flash_available
+
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 """SDPA backends for decoding. Not cuDNN: on the H200 (torch 2.11) SDPA picks it for GQA decoding and it builds a
 plan for every new KV length, 37-58 ms per token, against 0.08-0.1 ms for flash (measured 2026-11-29). Not
 memory-efficient attention: it has no GQA. Flash takes ``q_len = 1``; masked multi-token steps fall back to math."""
+
+
+def flash_decode_usable(kernel: str, keys: torch.Tensor, padded: bool) -> bool:
+    """Whether a static decode step over ``keys [B, Hkv, C, D]`` runs flash-attn-4's kernel (`flash_decode`).
+
+    ``kernel`` is `EntropyConfig.decode_kernel`. ``"auto"``: where it can run (CUDA, 16-bit entries, a head dim it
+    takes, flash-attn-4 importable, no padded row: its lengths mask a prefix of each row, not single entries);
+    ``"sdpa"``: never; ``"flash"``: always, raising where it cannot run.
+    """
+    if kernel == "sdpa":
+        return False
+    reasons = [why for why, fails in (
+        ("a CUDA device", keys.device.type != "cuda"),
+        ("float16 or bfloat16 entries", keys.dtype not in (torch.float16, torch.bfloat16)),
+        ("a head dim that is a multiple of 8 up to 256", keys.shape[-1] % 8 or keys.shape[-1] > 256),
+        ("an unpadded batch (the kernel masks by length)", padded),
+        ("flash-attn-4 (`pip install flash-attn-4`)", not flash_available()),
+    ) if fails]
+    if reasons and kernel == "flash":
+        raise ValueError(f"decode_kernel='flash' needs {' and '.join(reasons)}; use decode_kernel='auto' to fall "
+                         f"back to SDPA")
+    return not reasons
+
+
+@torch.library.custom_op("flexentropy::flash_decode", mutates_args=())
+def _flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(query, keys, values, seqused_k=lengths, softmax_scale=scale, num_splits=1,
+                                 pack_gqa=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@_flash_decode.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+      scale: float) -> torch.Tensor:
+    return query.new_empty(*query.shape[:-1], values.shape[-1])
+
+
+def flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+    """One decode step over the first ``lengths[b]`` entries of each row, with flash-attn-4's kernel.
+
+    A custom op, so that a compiled step calls it inside its graph (and a CUDA graph replays it); GQA packed, one
+    split (its split-KV is not supported on SM 9.0, 4.0.0b36).
+
+    Args:
+        query: ``[B, Hq, 1, D]``; keys: ``[B, Hkv, C, D]``; values: ``[B, Hkv, C, Dv]`` (16-bit, CUDA).
+        lengths: int32 ``[B]``: row ``b`` attends to its entries ``0 .. lengths[b] - 1``, in every head.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, Hq, 1, Dv]``, equal within rounding to `grouped_attention` under the prefix mask.
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = _flash_decode(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), lengths, scale)
+    return out.transpose(1, 2)
 
 
 def decode_attention(

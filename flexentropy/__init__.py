@@ -37,6 +37,7 @@ _LAZY = {
     "greedy_decode": "flexentropy.runtime.decoding",
     "greedy_generate": "flexentropy.runtime.decoding",
     "compile_step": "flexentropy.runtime.decoding",
+    "fuse_projections": "flexentropy.runtime.fusion",
 }
 
 
@@ -63,6 +64,7 @@ __all__ = [
     "decode_attention",
     "enable",
     "forward_influence",
+    "fuse_projections",
     "greedy_decode",
     "greedy_generate",
     "make_cache",

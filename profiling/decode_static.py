@@ -611,6 +611,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode: profile 10 captured steps of static_latent_captured (OUT/decode_profile_*.txt)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
                    help="e2e and checks: EntropyConfig.probe_kernel (auto: the library's default, the kernel on CUDA)")
+    p.add_argument("--fuse", action="store_true",
+                   help="fe.fuse_projections on the model (q/k/v and gate/up as one product each), dense and "
+                        "flexentropy alike; the rows' variants get the suffix _fused")
     p.add_argument("--decode-kernel", choices=["auto", "sdpa", "flash"], default="auto",
                    help="EntropyConfig.decode_kernel of the static latent cache (auto: flash-attn-4's where it can "
                         "run); other than auto, the rows' variants get it as a suffix")
@@ -618,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     default_budget = p.get_default("prefill_budget")
     args.tag = ("_tuned" if args.tuned else "") + ("_frozen" if args.freeze else "") + (
+        "_fused" if args.fuse else "") + (
         f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget else "") + (
         f"_{args.decode_kernel}" if args.decode_kernel != "auto" else "")
     torch._inductor.config.freezing = args.freeze
@@ -625,7 +629,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     path = out / "decode_static.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    llama = functools.cache(lambda: build_model(args.layers, device, args.tiny))
+    def model():
+        built = build_model(args.layers, device, args.tiny)
+        if args.fuse:
+            fe.fuse_projections(built)
+        return built
+
+    llama = functools.cache(model)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def keep(row: dict) -> None:

@@ -1,0 +1,75 @@
+"""`fe.fuse_projections`: q/k/v and gate/up as one product each, the forward unchanged (tiny random-config models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import flexentropy as fe
+from flexentropy.runtime.fusion import FusedLinear, FusedMember
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, max_position_embeddings=512, eos_token_id=None, pad_token_id=0)
+ARCHS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON))}   # Qwen2: q/k/v with biases
+
+
+def pair(arch: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    plain = ARCHS[arch]().eval()
+    fused = ARCHS[arch]().eval()
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fused_model_gives_the_same_logits(arch: str) -> None:
+    plain, fused = pair(arch)
+    assert fe.fuse_projections(fused) == 2 * COMMON["num_hidden_layers"]
+    attention = fused.model.layers[0].self_attn
+    assert isinstance(attention.qkv_proj, FusedLinear) and isinstance(attention.k_proj, FusedMember)
+    assert attention.k_proj.weight.data_ptr() == attention.qkv_proj.weight[64:].data_ptr()   # a view, no copy
+    assert torch.equal(attention.k_proj.weight, plain.model.layers[0].self_attn.k_proj.weight)
+    assert (attention.v_proj.bias is not None) == (arch == "qwen2")
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = plain(ids).logits
+        torch.testing.assert_close(fused(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        compiled = torch.compile(fused, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    # no activation is held once a forward is done
+    assert all(group._input is None and group._output is None
+               for group in fused.modules() if isinstance(group, FusedLinear))
+
+
+def test_a_member_fed_another_input_computes_its_own_product() -> None:
+    linears = [nn.Linear(8, n) for n in (4, 2, 2)]
+    members = [FusedMember(FusedLinear(linears), i) for i in range(3)]
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    outs = [members[0](x), members[1](y), members[2](x)]
+    for out, linear, given in zip(outs, linears, (x, y, x), strict=True):
+        torch.testing.assert_close(out, linear(given))
+
+
+def test_static_latent_decoding_on_a_fused_model() -> None:
+    """The captured decode path of issue 17 on a fused model: greedy tokens of the unfused model."""
+    config = fe.EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, decode_budget=96, decode_window=16,
+                              decode_delay=4, recompress_every=8)
+    plain, fused = pair("llama")
+    fe.fuse_projections(fused)
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    tokens = [fe.greedy_generate(fe.enable(model, config, prefill="dense"), ids,
+                                 fe.StaticLatentKVCache(config, model=model), 24, compiled=False)
+              for model in (plain, fused)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_validation() -> None:
+    with pytest.raises(ValueError, match="found no group to fuse"):
+        fe.fuse_projections(nn.Sequential(nn.Linear(4, 4)))
+    plain, fused = pair("llama")
+    fe.fuse_projections(fused)
+    with pytest.raises(ValueError, match="found no group to fuse"):   # already fused
+        fe.fuse_projections(fused)

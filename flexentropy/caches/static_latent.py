@@ -9,8 +9,8 @@ Two phases per layer (design.md §2):
 2. from the step at which the latent policy first decides on: preallocated buffers ``keys [B, Hkv, C, D]``,
    ``values [B, Hkv, C, Dv]`` and the query window ``[B, Hq, W, D]``, ``C = decode_budget + recompress_every``
    (`StaticLatentLayer.capacity`). A decode step writes its token in place at a slot held in a tensor and attends
-   over the whole buffer with a validity mask; nothing of its shapes changes from step to step or request to
-   request.
+   over the whole buffer with a validity mask (or, unpadded, over the first ``slot + 1`` slots with flash-attn-4's
+   kernel: `EntropyConfig.decode_kernel`); nothing of its shapes changes from step to step or request to request.
 
 Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
 *before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before

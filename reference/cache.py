@@ -82,6 +82,24 @@ def window_attention_scores(
     return scores
 
 
+def prefix_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One decode step over the first ``lengths[b]`` entries of each row (what `flash_decode` computes): float64
+    ``[B, Hq, 1, Dv]`` for ``query [B, Hq, 1, D]``, ``keys [B, Hkv, C, D]``, ``values [B, Hkv, C, Dv]``."""
+    batch, q_heads, _, dim = query.shape
+    group = q_heads // keys.shape[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    out = torch.zeros(batch, q_heads, 1, values.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        used = int(lengths[b])
+        for hq in range(q_heads):
+            k = keys[b, hq // group, :used].double().cpu()
+            v = values[b, hq // group, :used].double().cpu()
+            weights = torch.softmax(query[b, hq, 0].double().cpu() @ k.T * scale, dim=-1)
+            out[b, hq, 0] = weights @ v
+    return out
+
+
 def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:
     """Average pooling along the last axis, same length, zero padding counted (``t`` averages ``t +- width//2``)."""
     radius = width // 2

@@ -475,3 +475,23 @@ def test_generate_with_eviction_stays_bounded():
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       capacity=st.integers(1, 40), data=st.data())
+def test_prefix_masked_decode_matches_reference(batch: int, kv_heads: int, group: int, capacity: int,
+                                                data: st.DataObject) -> None:
+    """The static step's SDPA path under a prefix mask (the mask `flash_decode`'s lengths stand for) against the
+    reference over each row's first ``lengths[b]`` entries; on CUDA, `flash_decode` is checked against the same
+    reference (tests/test_static_latent.py)."""
+    from flexentropy.kv.attention import grouped_attention
+
+    lengths = torch.tensor(data.draw(st.lists(st.integers(1, capacity), min_size=batch, max_size=batch)))
+    gen = torch.Generator().manual_seed(capacity)
+    query = torch.randn(batch, kv_heads * group, 1, 8, generator=gen)
+    keys, values = (torch.randn(batch, kv_heads, capacity, 8, generator=gen) for _ in range(2))
+    prefix = (torch.arange(capacity) < lengths[:, None, None, None]).expand(batch, kv_heads, 1, capacity)
+    got = grouped_attention(query, keys, values, prefix, None).double()
+    torch.testing.assert_close(got, ref.prefix_decode_attention(query, keys, values, lengths), atol=1e-5, rtol=1e-5)
+

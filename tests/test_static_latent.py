@@ -16,8 +16,9 @@ from transformers.generation import CompileConfig
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.integrations.hf import cache_keyword, enable
-from flexentropy.kv.attention import flash_decode, grouped_attention
+from flexentropy.kv.attention import flash_decode
 from flexentropy.runtime.decoding import compile_step, greedy_decode
+from reference import cache as reference
 
 VOCAB = 256
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -169,16 +170,15 @@ def test_flash_decode_traces_to_its_output_shape() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 def test_cuda_flash_decode_matches_masked_sdpa(batch: int) -> None:
-    """flash-attn-4's decode kernel (needs it installed) against SDPA under the prefix mask, eager and in a
-    captured compiled step."""
+    """flash-attn-4's decode kernel (needs it installed) against the float64 reference over each row's first
+    ``lengths[b]`` entries, eager and in a captured compiled step."""
     pytest.importorskip("flash_attn.cute")
     gen = torch.Generator(device="cuda").manual_seed(batch)
     query = torch.randn(batch, 32, 1, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
     keys, values = (torch.randn(batch, 8, 1056, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
                     for _ in range(2))
-    lengths = torch.full((batch,), 1030, dtype=torch.int32, device="cuda")
-    prefix = (torch.arange(1056, device="cuda") < 1030).expand(batch, 8, 1, 1056)
-    expected = grouped_attention(query, keys, values, prefix, None).float()
+    lengths = torch.tensor([1030, 17, 1056, 500, 1, 1030, 900, 64][:batch], dtype=torch.int32, device="cuda")
+    expected = reference.prefix_decode_attention(query, keys, values, lengths).float().cuda()
     step = torch.compile(flash_decode, mode="reduce-overhead", fullgraph=True)
     for fn in (flash_decode, step, step, step):
         torch.testing.assert_close(fn(query, keys, values, lengths).float(), expected, atol=2e-2, rtol=0)

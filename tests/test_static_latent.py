@@ -169,7 +169,7 @@ def test_flash_decode_traces_to_its_output_shape() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
-def test_cuda_flash_decode_matches_masked_sdpa(batch: int) -> None:
+def test_cuda_flash_decode_matches_reference(batch: int) -> None:
     """flash-attn-4's decode kernel (needs it installed) against the float64 reference over each row's first
     ``lengths[b]`` entries, eager and in a captured compiled step."""
     pytest.importorskip("flash_attn.cute")

@@ -46,9 +46,9 @@ def _flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   scale: float) -> torch.Tensor:
     from flash_attn.cute import flash_attn_varlen_func
 
-    out = flash_attn_varlen_func(query, keys, values, seqused_k=lengths, softmax_scale=scale, num_splits=1,
-                                 pack_gqa=True)
-    return out[0] if isinstance(out, tuple) else out
+    out, _ = flash_attn_varlen_func(query, keys, values, seqused_k=lengths, softmax_scale=scale, num_splits=1,
+                                    pack_gqa=True)   # (out, lse)
+    return out
 
 
 @_flash_decode.register_fake

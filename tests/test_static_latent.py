@@ -142,6 +142,100 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
         assert torch.equal(read, torch.cat([before, new], dim=-2))
 
 
+def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int = 0, device: str = "cpu") -> None:
+    """Feed ``cache`` a 2-row prompt of 300 tokens (row 1 left-padded by ``padding``) and ``steps`` decode steps
+    of random post-RoPE queries, keys and values, different in every layer, as an attention layer hands them over
+    (``prepare``, then per layer ``observe_queries`` and ``update``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    def forward(length: int) -> None:
+        for layer_idx in range(len(cache.layers)):
+            if padding and length > 1:
+                real = torch.ones(2, length, dtype=torch.bool, device=device)
+                real[1, :padding] = False
+                cache.observe_padding(real, layer_idx)
+            cache.observe_queries(random(2, 4, length, 16), layer_idx)
+            cache.update(random(2, 2, length, 16), random(2, 2, length, 8), layer_idx)
+
+    forward(300)
+    for _ in range(steps):
+        cache.prepare(1)
+        forward(1)
+
+
+def check_recompression_at_once(monkeypatch: pytest.MonkeyPatch, padding: int, device: str) -> None:
+    """A recompression decides for every layer in one stacked decision (`decide_together`); each layer keeps, and
+    its buffers hold, exactly what deciding it alone gives."""
+    import flexentropy.caches.static_latent as static_latent
+
+    together, alone = (StaticLatentKVCache(EVICTING, num_layers=3) for _ in range(2))
+    calls = []
+    decide = static_latent.decide_together
+    monkeypatch.setattr(static_latent, "decide_together", lambda *args: calls.append(args[1]) or decide(*args))
+    drive(together, 40, padding=padding, device=device)
+    monkeypatch.setattr(static_latent, "stackable", lambda layers: False)
+    drive(alone, 40, padding=padding, device=device)
+    assert len(calls) >= 3 and set(calls) == {EVICTING.decode_budget}
+    for got, expected in zip(together.layers, alone.layers, strict=True):
+        assert got.evictions == expected.evictions == len(calls) + 1
+        assert torch.equal(got.positions(), expected.positions())
+        for name in ("keys", "values", "window", "real"):
+            assert torch.equal(got.buffers[name], expected.buffers[name])
+        assert torch.equal(got.valid(), expected.valid())
+    assert not torch.equal(together.layers[0].positions(), together.layers[1].positions())
+    if padding:  # row 1 holds fewer real tokens than the budget: padding entries stay, marked unreal
+        assert not together.layers[0].buffers["real"][1].all()
+
+
+@pytest.mark.parametrize("padding", [0, 250])
+def test_recompression_of_all_layers_at_once_equals_one_by_one(monkeypatch: pytest.MonkeyPatch,
+                                                              padding: int) -> None:
+    check_recompression_at_once(monkeypatch, padding, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("padding", [0, 250])
+def test_cuda_recompression_of_all_layers_at_once_equals_one_by_one(monkeypatch: pytest.MonkeyPatch,
+                                                                   padding: int) -> None:
+    """The same on the GPU, where the stacked scores run as one batched product of another shape."""
+    check_recompression_at_once(monkeypatch, padding, "cuda")
+
+
+def static_addresses(cache: StaticLatentKVCache) -> set[int]:
+    """Addresses of every tensor a captured step reads in place (buffers and counters)."""
+    tensors = [*cache.counters.values(), *(buffer for layer in cache.layers for buffer in layer.buffers.values())]
+    return {tensor.data_ptr() for tensor in tensors}
+
+
+def test_a_new_cache_takes_the_buffers_of_a_dropped_one() -> None:
+    """A captured step replays only at the addresses it was recorded with: a cache built after another is dropped
+    decodes in the same buffers and counters (and gives the same tokens); two live caches never share one."""
+    import gc
+
+    model = model_for("llama", EVICTING)
+    ids = prompt(300)
+    StaticLatentKVCache.drop_spare_buffers()
+    first = StaticLatentKVCache(EVICTING, model=model)
+    expected = greedy(model, ids, first, 24, disable_compile=True)
+    addresses = static_addresses(first)
+    live = StaticLatentKVCache(EVICTING, model=model)
+    greedy(model, ids, live, 24, disable_compile=True)
+    assert static_addresses(live).isdisjoint(addresses)
+    del first
+    gc.collect()
+    second = StaticLatentKVCache(EVICTING, model=model)
+    assert torch.equal(greedy(model, ids, second, 24, disable_compile=True), expected)
+    assert static_addresses(second) == addresses
+    del second
+    gc.collect()
+    StaticLatentKVCache.drop_spare_buffers()
+    fresh = StaticLatentKVCache(EVICTING, model=model)
+    assert torch.equal(greedy(model, ids, fresh, 24, disable_compile=True), expected)
+
+
 def test_validation() -> None:
     with pytest.raises(ValueError, match="recompress_every"):
         StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)

@@ -242,11 +242,34 @@ class StepClock:
         return scores
 
     def summary(self, delay: int) -> dict:
-        """TTFT, and the median step after ``delay`` steps (the latent cache's phase 1) and over phase 1."""
+        """TTFT, the median step after ``delay`` steps (the latent cache's phase 1) and over phase 1, the step that
+        switches to the static phase (the first eviction), and the five slowest steps as ``[index, ms]``."""
         steps = [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:], strict=False)]
         return {"ttft_s": self.times[0] - self.start,
                 "decode_step_ms": statistics.median(steps[delay + 1:]) if len(steps) > delay + 1 else None,
-                "phase1_step_ms": statistics.median(steps[:delay]) if len(steps) >= delay > 0 else None}
+                "phase1_step_ms": statistics.median(steps[:delay]) if len(steps) >= delay > 0 else None,
+                "switch_step_ms": steps[delay] if len(steps) > delay else None,
+                "slowest_steps_ms": sorted(([i, round(ms, 2)] for i, ms in enumerate(steps)), key=lambda x: -x[1])[:5]}
+
+
+class GraphRecordings:
+    """CUDA graphs recorded so far by torch's CUDA graph trees (``mode="reduce-overhead"``), which announce each
+    recording to dynamo's compilation callbacks: a step that replays records nothing, one whose static inputs moved
+    (a new cache's buffers at new addresses) records the whole step again."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+        self.count = 0
+
+        def on_start(args) -> None:
+            if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+                self.count += 1
+
+        callback_handler.register_start_callback(on_start)
+
+
+RECORDINGS = GraphRecordings()
 
 
 def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, clock: StepClock | None = None,
@@ -315,10 +338,11 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
         clock = StepClock(device)
+        recorded = RECORDINGS.count
         seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, clock,
                                 compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}{args.tag}", "n": n, "new_tokens": new,
-                "total_s": seconds,
+                "total_s": seconds, "cuda_graphs_recorded": RECORDINGS.count - recorded,
                 **clock.summary(cfg.decode_delay), "density": prefill_density(model),
                 "segment_size": cfg.segment_size, "probe_kernel": args.probe_kernel,
                 "flash_attn": environment()["flash_attn"]}
@@ -369,10 +393,11 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         t0 = time.perf_counter()
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True)
         warm_s = time.perf_counter() - t0
+        recorded = RECORDINGS.count
         timed = {tokens: loop_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), tokens, device, cc)
                  for tokens in (new, 1)}
         return {"part": "e2e", "variant": f"flexentropy_loop{args.tag}", "n": n, "new_tokens": new,
-                "total_s": timed[new], "ttft_s": timed[1],
+                "total_s": timed[new], "ttft_s": timed[1], "cuda_graphs_recorded": RECORDINGS.count - recorded,
                 "decode_step_ms": (timed[new] - timed[1]) / (new - 1) * 1e3, "warm_up_loop_s": warm_s,
                 "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
 
@@ -380,20 +405,19 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
 
     def dense() -> dict:
         """Best dense per phase: cuDNN SDPA prefill (eager, through generate), then the compiled static decode
-        (SDPA flash first) continuing on the same StaticCache; the decode graph compiled beforehand on a twin cache
-        of the same size."""
+        (SDPA flash first) continuing on the same StaticCache; the decode graph compiled and recorded beforehand on
+        that cache (reset before the prompt)."""
         model.set_attn_implementation("sdpa")
         size = n + new + 8
         compiled = model.get_compiled_call(cc)
         with dense_backend(SDPBackend.FLASH_ATTENTION):
-            twin = StaticCache(config=model.config, max_cache_len=size)
-            fill(twin, model, 1, 16, device)
+            cache = StaticCache(config=model.config, max_cache_len=size)
+            fill(cache, model, 1, 16, device)
             t0 = time.perf_counter()
             with torch.no_grad():
-                time_steps(step_fn(model, compiled, twin, 1, 16, device), device, 3, 1)
+                time_steps(step_fn(model, compiled, cache, 1, 16, device), device, 3, 1)
             compile_s = time.perf_counter() - t0
-            del twin
-        cache = StaticCache(config=model.config, max_cache_len=size)
+        cache.reset()   # the same buffers: the decode graph recorded on them replays (a new cache records again)
         with dense_backend(SDPBackend.CUDNN_ATTENTION):
             prefill_s, first = generate_s(model, ids, cache, 1, device, disable_compile=True)
         step = step_fn(model, compiled, cache, 1, n + 1, device)
@@ -500,19 +524,25 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         fe.enable(model, cfg, prefill="entropy")
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        recorded = RECORDINGS.count
         per_length = {}
         for length in args.check_lengths:
             ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
             steps = args.long_steps if length == args.check_lengths[0] else 8
             cache = fe.StaticLatentKVCache(cfg, model=model)
+            if args.no_spare:  # the last request's buffers freed: this one decodes at new addresses
+                fe.StaticLatentKVCache.drop_spare_buffers()
             seconds = (loop_s(model, ids, cache, steps, device, cc) if loop
                        else generate_s(model, ids, cache, steps, device, compile_config=cc)[0])
             per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
                                        "graphs_since_warm_up":
-                                           int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
-        return {"part": "checks", "variant": "recompiles_after_warm_up" + ("_loop" if loop else ""),
+                                           int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
+                                       "cuda_graphs_recorded_since_warm_up": RECORDINGS.count - recorded}
+        return {"part": "checks", "variant": "recompiles_after_warm_up" + ("_loop" if loop else "")
+                + ("_no_spare" if args.no_spare else ""),
                 "per_length": per_length,
-                "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs}
+                "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
+                "cuda_graphs_recorded": RECORDINGS.count - recorded}
 
     checks = {"identity": identity, "dense_control": dense_control, "uncaptured": uncaptured, "float32": float32,
               "recompiles": recompiles, "recompiles_loop": functools.partial(recompiles, loop=True)}
@@ -536,22 +566,37 @@ def plot(rows: list[dict], path: Path) -> None:
     if not decode:
         return
     cases = sorted({(r["batch"], r["n"]) for r in decode})
+    variants = sorted({r["variant"] for r in decode},
+                      key=lambda v: (VARIANTS.index(v) if v in VARIANTS else len(VARIANTS), v))
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(VARIANTS)
-    for i, variant in enumerate(VARIANTS):
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
         values = [next((r["step_ms"] for r in decode if (r["batch"], r["n"]) == c and r["variant"] == variant), 0)
                   for c in cases]
         ax.bar([j + i * width for j in range(len(cases))], values, width, label=variant)
     for j, case in enumerate(cases):
-        limits = [r["limit_ms"] for r in decode if (r["batch"], r["n"]) == case]
-        ax.hlines(min(limits), j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dotted")
+        limit = min(r["limit_ms"] for r in decode if (r["batch"], r["n"]) == case)
+        for factor, style in ((1, "dotted"), (1.5, "dashed")):
+            ax.hlines(factor * limit, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles=style)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"B{b} {n // 1024}k" for b, n in cases])
     ax.set_ylabel("decode step ms")
-    ax.set_title("decode step (dotted: latent bytes / 4.3 TB/s)")
+    ax.set_title("decode step (dotted: latent bytes / 4.3 TB/s; dashed: 1.5x that)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     print(f"wrote {path}")
+
+
+def plot_runs(paths: list[Path], path: Path) -> None:
+    """The captured step's rows (``static_latent_captured*``) of several runs' JSON side by side, each labelled by
+    its file's stem."""
+    rows = []
+    for run in paths:
+        decode = [r for r in json.loads(run.read_text())["rows"]
+                  if r.get("part") == "decode" and r.get("variant", "").startswith("static_latent_captured")]
+        rows += [dict(r, variant=run.stem if len({d["variant"] for d in decode}) == 1 else f"{run.stem} {r['variant']}")
+                 for r in decode]
+    plot(rows, path)
 
 
 def table(rows: list[dict]) -> None:
@@ -592,6 +637,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-steps", type=int, default=1000)
     checks = ["identity", "dense_control", "uncaptured", "float32", "recompiles", "recompiles_loop"]
     p.add_argument("--checks", nargs="+", choices=checks, default=checks)
+    p.add_argument("--no-spare", action="store_true",
+                   help="checks: recompiles: free the last request's static buffers before each request "
+                        "(StaticLatentKVCache.drop_spare_buffers), as before they were kept: the cost of new addresses")
     p.add_argument("--check-model", default=None,
                    help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
                         "an alias of flexentropy.runtime.models) with an essay prompt of --check-prompt tokens; their "
@@ -618,7 +666,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="EntropyConfig.decode_kernel of the static latent cache (auto: flash-attn-4's where it can "
                         "run); other than auto, the rows' variants get it as a suffix")
     p.add_argument("--out", default="docs/results/decode_static")
+    p.add_argument("--compare", type=Path, nargs="+", default=None,
+                   help="only plot the captured step of these runs' JSON side by side "
+                        "(OUT/decode_static_compare.png)")
     args = p.parse_args(argv)
+    if args.compare:
+        plot_runs(args.compare, Path(args.out) / "decode_static_compare.png")
+        return
     default_budget = p.get_default("prefill_budget")
     args.tag = ("_tuned" if args.tuned else "") + ("_frozen" if args.freeze else "") + (
         "_fused" if args.fuse else "") + (

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation import CompileConfig
@@ -202,6 +204,48 @@ def test_cuda_recompression_of_all_layers_at_once_equals_one_by_one(monkeypatch:
                                                                    padding: int) -> None:
     """The same on the GPU, where the stacked scores run as one batched product of another shape."""
     check_recompression_at_once(monkeypatch, padding, "cuda")
+
+
+@st.composite
+def multi_layer_schedules(draw: st.DrawFn) -> dict:
+    window = draw(st.integers(1, 6))
+    return dict(
+        layers=draw(st.integers(1, 3)), batch=draw(st.integers(1, 2)), kv_heads=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2, 4])), dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)),
+        steps=draw(st.integers(1, 30)), seed=draw(st.integers(0, 2**16)),
+        config=fe.EntropyConfig(
+            decode_budget=draw(st.integers(window, 16)), decode_window=window, decode_delay=draw(st.integers(1, 4)),
+            decode_pool=draw(st.sampled_from([1, 3])), decode_score=draw(st.sampled_from(["softmax", "raw"])),
+            recompress_every=draw(st.sampled_from([1, 4])),
+        ),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=multi_layer_schedules())
+def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
+    """Each layer of a `StaticLatentKVCache`, with its recompressions decided for all layers at once, holds at every
+    step the entries and positions of `reference.cache.LatentCacheOracle` run on that layer alone (the decision
+    before the step's queries are handed over: ``hand_over="after"``)."""
+    config, batch, kv_heads, dim = case["config"], case["batch"], case["kv_heads"], case["dim"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    cache = StaticLatentKVCache(config, num_layers=case["layers"])
+    oracles = [reference.LatentCacheOracle(config) for _ in range(case["layers"])]
+    for step in range(case["steps"] + 1):
+        length = case["prompt"] if step == 0 else 1
+        if step:
+            cache.prepare(1)
+        for layer_idx, oracle in enumerate(oracles):
+            q, k, v = (torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64)
+                       for heads in (kv_heads * case["group"], kv_heads, kv_heads))
+            cache.observe_queries(q, layer_idx)
+            cache.update(k, v, layer_idx)
+            want_keys, want_values = oracle.step(q, k, v, "after")
+            layer = cache.layers[layer_idx]
+            assert torch.equal(layer.keys, want_keys) and torch.equal(layer.values, want_values)
+            assert torch.equal(layer.positions(), oracle.positions)
+    assert all(layer.evictions == len(oracle.evictions) for layer, oracle in zip(cache.layers, oracles, strict=True))
+    event(f"recompressions: {min(max(len(oracles[0].evictions) - 1, 0), 2)}")
 
 
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:

@@ -429,12 +429,13 @@ def stackable(layers: Sequence[StaticLatentLayer]) -> bool:
     """Whether ``layers`` can take one decision together (`decide_together`): static, rectangular, the same counts,
     shapes, dtypes and device (layers on several GPUs, or of different head counts, decide one by one)."""
     def signature(layer: StaticLatentLayer) -> tuple:
-        return (layer.static, layer.ragged is None, layer.seen, layer.observed, layer._evicted_at, layer.evictions,
-                layer._kept is None, layer.padding is None, tuple(layer.stats), layer.keys.shape, layer.keys.dtype,
-                layer.keys.device, layer.values.shape, layer.window.shape, layer.window.dtype)
+        return (layer.seen, layer.observed, layer._evicted_at, layer.evictions, layer._kept is None,
+                layer.padding is None, tuple(layer.stats), layer.keys.shape, layer.keys.dtype, layer.keys.device,
+                layer.values.shape, layer.window.shape, layer.window.dtype)
 
     first = signature(layers[0])
-    return first[0] and first[1] and all(signature(layer) == first for layer in layers[1:])
+    return (all(layer.static and layer.ragged is None for layer in layers)
+            and all(signature(layer) == first for layer in layers[1:]))
 
 
 def decide_together(layers: Sequence[StaticLatentLayer], target: int, incoming: int) -> None:

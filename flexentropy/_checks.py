@@ -30,6 +30,10 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
                                  f"q {tuple(q.shape)}, {name} {tuple(t.shape)}")
     if v is not None and v.shape[1] != k.shape[1]:
         raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
+    if q.shape[0] == 0:
+        raise ValueError(f"batch size must be >= 1, got q of shape {tuple(q.shape)}")
+    if q.shape[3] == 0:
+        raise ValueError(f"head dim must be >= 1, got q of shape {tuple(q.shape)}")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
@@ -38,6 +42,11 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
 def is_int(value: object) -> bool:
     """Whether ``value`` is an int and not a bool (the one test of integer knobs)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float and not a bool (the one test of real-valued knobs)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_layer_idx(layer_idx: int) -> None:
@@ -61,15 +70,15 @@ def check_number(owner: str, name: str, value: object, low: float = -math.inf, h
                  open_low: bool = False) -> None:
     """Raise unless ``value`` is a finite real number (int or float, not a bool) in ``[low, high]`` (``(low, high]``
     with ``open_low``). NaN and infinities are rejected whatever the bounds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{label(owner, name)} must be a number, got {type(value).__name__} {value!r}")
     inside = (low < value if open_low else low <= value) and value <= high
     if not math.isfinite(value) or not inside:
         if high == math.inf:
-            bounds = f"{'>' if open_low else '>='} {low}"
+            bounds = "" if low == -math.inf else f" {'>' if open_low else '>='} {low}"
         else:
-            bounds = f"in {'(' if open_low else '['}{low}, {high}]"
-        raise ValueError(f"{label(owner, name)} must be a finite number {bounds}, got {value!r}")
+            bounds = f" in {'(' if open_low else '['}{low}, {high}]"
+        raise ValueError(f"{label(owner, name)} must be a finite number{bounds}, got {value!r}")
 
 
 def check_odd(owner: str, name: str, value: object) -> None:

@@ -27,6 +27,7 @@ from flexentropy.runtime.loading import (
     SMOLLM2_HINT,
     InputError,
     load_config,
+    load_tokenizer,
     load_weights,
     model_source,
     resolve_model,
@@ -119,6 +120,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--context-length must be >= 1, got {args.context_length}")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.question is not None and not args.question.strip():
+        raise InputError("--question is empty: give the question to ask, or leave the flag out to plant a needle")
     if not 0.0 <= args.needle_depth <= 1.0:
         raise InputError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     if args.prompt_file is not None:
@@ -267,7 +270,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache
 
-    from flexentropy.integrations.gguf import load_tokenizer
     from flexentropy.integrations.hf import enable, prefill_density
 
     dtype = select_dtype(args.dtype, device)

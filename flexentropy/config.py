@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from torch import Tensor
 
-from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, label
+from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, is_number, label
 
 Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
@@ -152,14 +152,13 @@ class EntropyConfig:
         check_number(owner, "max_budget_factor", self.max_budget_factor, 1)
         check_choice(owner, "fluctuation", self.fluctuation, ("abs", "signed"))
         check_choice(owner, "budget_rule", self.budget_rule, ("fluctuation", "coverage"))
-        if isinstance(self.coverage, tuple):
-            if len(self.coverage) != 2:
-                raise ValueError(f"EntropyConfig.coverage must be a number or a (short, long) pair, "
-                                 f"got {self.coverage!r}")
-            for value in self.coverage:
-                check_number(owner, "coverage", value, 0, 1, open_low=True)
-        else:
-            check_number(owner, "coverage", self.coverage, 0, 1, open_low=True)
+        pair = isinstance(self.coverage, tuple)
+        if not (pair and len(self.coverage) == 2 or is_number(self.coverage)):
+            error = ValueError if pair else TypeError
+            raise error(f"EntropyConfig.coverage must be a number in (0, 1] or a (short, long) tuple of two, "
+                        f"got {type(self.coverage).__name__} {self.coverage!r}")
+        for value in self.coverage if pair else (self.coverage,):
+            check_number(owner, "coverage", value, 0, 1, open_low=True)
         check_choice(owner, "observation", self.observation, ("paper", "critiprefill", "probe"))
         check_int(owner, "probes", self.probes, 1)
         if self.segment_size % self.probes:

@@ -92,14 +92,21 @@ def test_prompt_file_and_own_question(tiny_model: Path, tmp_path: Path, capsys: 
     ("tiny", ["--device", "mps"], "--device mps: flexentropy runs on cpu or cuda"),
     ("tiny", ["--prompt-file", "{binary}"], r"prompt file .*latin1.txt is not UTF-8 text"),
     ("tiny", ["--json", "{file}/result.json"], r"--json .*result.json: cannot write there"),
+    ("tiny", ["--question", " "], "--question is empty"),
+    ("no-tokenizer", [], "has a config.json but no tokenizer"),
+    ("no-weights", ["--context-length", "700"], "has a config.json but no weights"),
 ])
 def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp_path: Path, make: str,
                                                            argv: list[str], message: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Each bad input stops with `flexentropy: error: ...` before the weights are loaded."""
-    model = {"missing": tmp_path / "nowhere", "tiny": tiny_model, "gpt2": tmp_path / "gpt2"}[make]
+    model = {"missing": tmp_path / "nowhere", "tiny": tiny_model, "gpt2": tmp_path / "gpt2"}.get(make, tmp_path / make)
     if make == "gpt2":
         GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(model)
+    if make.startswith("no-"):   # the tiny model's folder without its tokenizer files, or without its weights
+        weights = make == "no-weights"
+        shutil.copytree(tiny_model, model, ignore=lambda _, names: [
+            n for n in names if n.endswith(".safetensors") == weights and n != "config.json"])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
     (tmp_path / "a_file").write_text("")
     argv = [a.format(binary=tmp_path / "latin1.txt", file=tmp_path / "a_file") for a in argv]

@@ -284,6 +284,30 @@ def test_enable_rejects_what_it_cannot_run() -> None:
     enable(ARCHS["llama"]().double(), prefill="dense")  # SDPA prefill takes float64
 
 
+def test_enable_leaves_other_models_of_the_same_config_alone(tmp_path: object) -> None:
+    """Two models built from one config object: enabling one switched the other's attention too (and saved the
+    other's settings). Each enabled model now holds its own config."""
+    shared = LlamaConfig(**COMMON)
+    torch.manual_seed(0)
+    a, b = LlamaForCausalLM(shared).eval(), LlamaForCausalLM(shared).eval()
+    b.load_state_dict(a.state_dict())
+    ids = prompt()
+    expected = greedy(b, ids)
+    enable(a, SMALL)
+    assert b.config._attn_implementation == "sdpa" and not hasattr(b.config, hf.CONFIG_ATTR)
+    assert all(m.config is a.config for m in hf.attention_modules(a))
+    assert torch.equal(greedy(b, ids), expected)                 # b still runs dense
+    enable(b, SMALL.replace(coverage=0.9))
+    assert a.config.flexentropy["coverage"] == list(SMALL.coverage) and b.config.flexentropy["coverage"] == 0.9
+    a.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.flexentropy["coverage"] == list(SMALL.coverage)
+
+
+def test_enable_refuses_dense_layers_the_model_lacks() -> None:
+    with pytest.raises(ValueError, match=r"dense_layers names layer\(s\) \[99\] that LlamaForCausalLM does not have"):
+        enable(ARCHS["llama"](), SMALL.replace(dense_layers=(0, 99)))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
     """transformers 5.24 renamed the cache argument to `cache` (design.md §6, read from the wheels)."""

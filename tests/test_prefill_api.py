@@ -53,6 +53,9 @@ def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
 def test_config_rejects_wrong_types() -> None:
     with pytest.raises(TypeError, match="segment_size"):
         EntropyConfig(segment_size=512.0)
+    for coverage in ([0.8, 0.6], "0.8"):      # a list once said "must be a number" without the pair form
+        with pytest.raises(TypeError, match=r"coverage must be a number in \(0, 1\] or a \(short, long\) tuple"):
+            EntropyConfig(coverage=coverage)
     with pytest.raises(TypeError, match=r"EntropyConfig.base_budget must be a number, got str '2048'"):
         EntropyConfig(base_budget="2048")
     with pytest.raises(TypeError, match=r"EntropyConfig.budget_alpha must be a number, got bool"):
@@ -101,6 +104,53 @@ def test_bad_tensors_raise_clear_errors(mutate, error: type, match: str) -> None
     cfg = EntropyConfig(segment_size=128, block_size=128, dense_prefix=0)
     with pytest.raises(error, match=match):
         sparse_prefill_attention(q, k, v, cfg)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, scale=float("nan")), "scale must be a finite number"),
+    (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, scale=float("inf")), "scale must be a finite number"),
+    (lambda q, k, v, cfg: sparse_prefill_attention(q[:0], k[:0], v[:0], cfg), "batch size must be >= 1"),
+    (lambda q, k, v, cfg: fe.select_blocks(q[:0], k[:0], cfg), "batch size must be >= 1"),
+    (lambda q, k, v, cfg: sparse_prefill_attention(q[..., :0], k[..., :0], v[..., :0], cfg), "head dim must be >= 1"),
+    (lambda q, k, v, cfg: fe.observation_attention(q[..., :0], k[..., :0], 128, 64), "head dim must be >= 1"),
+])
+def test_degenerate_inputs_raise_at_the_boundary(call, match: str) -> None:
+    """A scale of nan/inf, batch 0 and head dim 0 crashed deep in torch (Inductor's CppCompileError, a
+    ZeroDivisionError in the estimate, dynamo's Unsupported)."""
+    q, k, v = _qkv(n=640, d=32)
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+    with pytest.raises(ValueError, match=match):
+        call(q, k, v, cfg)
+
+
+def test_a_huge_budget_keeps_every_block() -> None:
+    """``base_budget=1e30`` once overflowed int64 in the block count and gave the sparsest plan (only the forced
+    blocks); any budget past the prompt keeps every causal block."""
+    q, k, _ = _qkv(n=640, d=32)
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=(), budget_rule="fluctuation")
+    for budget in (1e12, 1e30, 3e38):
+        assert fe.select_blocks(q, k, cfg.replace(base_budget=budget)).density == 1.0, budget
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_nan_key_or_value_gives_nan_where_dense_does(where: str) -> None:
+    """A NaN key (or value) makes every later query of its group NaN in dense attention. The compiled sparse path
+    gave finite rows where the plan or the CPU kernel passed over it. For a NaN value, kernels that multiply masked
+    weights (0 * NaN: CPU SDPA, eager and compiled flex) make earlier rows NaN too; the rows that attend it are NaN
+    in all."""
+    q, k, v = _qkv(b=2, n=640, d=32)
+    {"k": k, "v": v}[where][1, 0, 5, 3] = float("nan")
+    reach = torch.zeros(2, 4, 640, dtype=torch.bool)
+    reach[1, :2, 5:] = True                                   # query heads 0-1 read KV head 0; queries 5..639
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+    with torch.no_grad():
+        if where == "k":
+            dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            assert torch.equal(dense.isnan().any(dim=-1), reach)
+        for compiled in (True, False):
+            nan = sparse_prefill_attention(q, k, v, cfg, compiled=compiled).isnan().any(dim=-1)
+            assert torch.equal(nan, reach) if where == "k" else bool(nan[reach].all()), compiled
 
 
 def test_bad_arguments_raise_clear_errors() -> None:

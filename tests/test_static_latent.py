@@ -280,6 +280,37 @@ def test_a_new_cache_takes_the_buffers_of_a_dropped_one() -> None:
     assert torch.equal(greedy(model, ids, fresh, 24, disable_compile=True), expected)
 
 
+def test_a_hand_loop_may_prepare_each_step_itself() -> None:
+    """A plain loop over an HF model may call ``cache.prepare(1)`` before each forward (the model's pre-hook then
+    does not prepare the step again), or twice, or not at all: each step advances once, to the logits and length of
+    the hook alone, and the length of `LatentKVCache`. A second prompt on a used cache says that a cache serves one
+    request; after ``reset()`` it serves the next."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+
+    def hand_loop(cache: object, prepares: int, steps: int = 12) -> tuple[torch.Tensor, int]:
+        logits = []
+        with torch.no_grad():
+            out = model(ids, **{cache_keyword(model): cache})
+            for _ in range(steps):
+                logits.append(out.logits[:, -1])
+                for _ in range(prepares):
+                    cache.prepare(1)
+                out = model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): cache})
+        return torch.stack(logits), cache.get_seq_length()
+
+    assert hand_loop(LatentKVCache(EVICTING), 0)[1] == 300 + 12
+    expected = hand_loop(StaticLatentKVCache(EVICTING, model=model), 0)
+    for prepares in (1, 2):
+        cache = StaticLatentKVCache(EVICTING, model=model)
+        got = hand_loop(cache, prepares)
+        assert cache.is_static and got[1] == 300 + 12 and torch.equal(got[0], expected[0]), prepares
+    with pytest.raises(ValueError, match=r"a cache serves one request; use a new cache \(or cache.reset\(\)\)"):
+        model(ids, **{cache_keyword(model): cache})
+    cache.reset()
+    got = hand_loop(cache, 1)
+    assert got[1] == 300 + 12 and torch.equal(got[0], expected[0])
+
+
 def test_validation() -> None:
     with pytest.raises(ValueError, match="recompress_every"):
         StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)

@@ -14,10 +14,12 @@ Two phases per layer (design.md §2):
 
 Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
 *before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before
-every forward: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it eagerly,
-and transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces
-to nothing and the step is one graph); a plain decoding loop calls it itself
-(`flexentropy.runtime.decoding.greedy_decode`). Decisions are therefore taken before the step's queries are handed
+every forward, once: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it
+eagerly (unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
+transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces to
+nothing and the step is one graph); a loop over a cache built with ``num_layers=`` (no hook) calls it itself before
+each forward (`flexentropy.runtime.decoding.greedy_decode`). A cache serves one request: a new prompt needs a new
+cache, or ``reset()``. Decisions are therefore taken before the step's queries are handed
 over (transformers' attention order: ``update`` before the queries), so for an attention that hands its queries over
 before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with `LatentKVCache`.
 
@@ -249,6 +251,8 @@ class StaticLatentKVCache(LatentKVCache):
         for layer in self.layers:
             layer.kernel = self.config.decode_kernel
         self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
+        self._hooked = model is not None   # the model's pre-hook runs `prepare` unless it already ran for the step
+        self._armed = False         # `prepare` ran for the coming forward, which the hook must not prepare again
         # a dropped cache leaves its buffers to the next one of the same shapes (`static_buffer`)
         weakref.finalize(self, spare_buffers, [(layer.layer_idx, layer.buffers) for layer in self.layers]
                          + [(None, self.counters)])
@@ -271,6 +275,11 @@ class StaticLatentKVCache(LatentKVCache):
         cache takes them, so that a captured step replays at the addresses it was recorded with)."""
         _SPARE.clear()
 
+    def reset(self) -> None:
+        """Empty every layer for a new request; the buffers stay (their addresses with them)."""
+        super().reset()
+        self._armed = False
+
     @property
     def capacity(self) -> int:
         """``C``: entries per KV head of each layer's buffers."""
@@ -279,7 +288,12 @@ class StaticLatentKVCache(LatentKVCache):
     def prepare(self, q_len: int) -> None:
         """Eager work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a phase-1
         step; for a static step, every due decision (a recompression of every layer as one, `decide_together`),
-        then the step's slot and position."""
+        then the step's slot and position.
+
+        Once per step: on a cache built with ``model=``, a second call before the step's forward does nothing, and
+        the model's pre-hook does not prepare a step that was prepared by hand."""
+        if self._armed:
+            return
         layers = [layer for layer in self.layers if layer.due(q_len)]
         if not layers:
             return
@@ -287,7 +301,9 @@ class StaticLatentKVCache(LatentKVCache):
             raise RuntimeError(f"{type(self).__name__}: layers disagree on the decode phase; every layer must see "
                                f"every forward")
         if q_len != 1:
-            raise ValueError(f"{type(self).__name__} decodes one token per forward after the prompt, got {q_len}")
+            raise ValueError(f"{type(self).__name__} decodes one token per forward after the prompt, and got a "
+                             f"forward of {q_len} tokens after {layers[0].generated} generated ones: a cache serves "
+                             "one request; use a new cache (or cache.reset()) for the next prompt")
         targets = [layer.policy.before_append(layer, q_len) for layer in layers]
         if targets[0] is not None and len(set(targets)) == 1 and stackable(layers):
             decide_together(layers, targets[0], q_len)
@@ -303,6 +319,12 @@ class StaticLatentKVCache(LatentKVCache):
         self.slot.fill_(slot)
         self.lengths.fill_(slot + 1)
         self.position.fill_(layers[0].seen - q_len)
+        self._armed = self._hooked
+
+    def before_forward(self, q_len: int) -> None:
+        """What the model's pre-hook runs before each forward: `prepare`, unless it already ran for this step."""
+        self.prepare(q_len)
+        self._armed = False
 
     @contextlib.contextmanager
     def prepared(self, q_len: int) -> Iterator[None]:
@@ -314,7 +336,7 @@ class StaticLatentKVCache(LatentKVCache):
         try:
             yield
         finally:
-            self._prepared = False
+            self._prepared = self._armed = False
 
     @property
     def is_static(self) -> bool:
@@ -493,7 +515,7 @@ def attach_prepare_hook(model: nn.Module) -> None:
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = cache_argument(kwargs)
         if isinstance(cache, StaticLatentKVCache) and not cache._prepared:
-            _eager(cache.prepare, _query_length(args, kwargs))
+            _eager(cache.before_forward, _query_length(args, kwargs))
 
     setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(hook, with_kwargs=True))
     route_phase_one_eagerly(model)

@@ -26,6 +26,7 @@ its local KV heads; flexentropy adds no communication. `local_heads` says which 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -196,9 +197,12 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
            keep_plans: bool = True) -> PreTrainedModel:
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
-    Sets ``attn_implementation="flexentropy"``, stores ``config`` and ``prefill`` on ``model.config.flexentropy``
-    and on every attention module, and registers the pre-hook that hands the cache argument (e.g. a
-    `LatentKVCache`) to the attention function. Calling it again replaces the settings.
+    Gives the model its own copy of its transformers config (another model built from the same config object keeps
+    its attention and settings), sets ``attn_implementation="flexentropy"`` there, stores ``config`` and ``prefill``
+    on ``model.config.flexentropy`` (a record for ``save_pretrained``: the layers read their settings from `enable`,
+    so editing that dict later changes nothing) and on every attention module, and registers the pre-hook that
+    hands the cache argument (e.g. a `LatentKVCache`) to the attention function. Calling it again replaces the
+    settings.
 
     Args:
         model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
@@ -232,7 +236,12 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
     for module in modules:
         local_heads(module)  # a tensor-parallel sharding must keep whole heads and GQA groups on each rank
+    missing = sorted(set(config.dense_layers) - {module.layer_idx for module in modules})
+    if missing:
+        raise ValueError(f"EntropyConfig.dense_layers names layer(s) {missing} that {type(model).__name__} does not "
+                         f"have (its attention layers are 0..{len(modules) - 1})")
     register()
+    own_config(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
@@ -240,6 +249,22 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         if getattr(module, _HOOK_ATTR, None) is None:
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
     return model
+
+
+def own_config(model: PreTrainedModel) -> None:
+    """Give ``model`` and its submodules a private copy of its config (and of the sub-configs they hold), so that
+    what `enable` sets there (the attention implementation, ``config.flexentropy``) changes no other model built
+    from the same config object."""
+    old = model.config
+    new = copy.deepcopy(old)
+    copies = {id(old): new}
+    for name in getattr(old, "sub_configs", {}):
+        if isinstance(getattr(old, name, None), PretrainedConfig):
+            copies[id(getattr(old, name))] = getattr(new, name)
+    for module in model.modules():
+        held = getattr(module, "config", None)
+        if held is not None and id(held) in copies:
+            module.config = copies[id(held)]
 
 
 def local_heads(module: nn.Module) -> tuple[range, range]:

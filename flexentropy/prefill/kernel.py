@@ -93,7 +93,16 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
             torch._dynamo.maybe_mark_dynamic(indices, 3)
     with no_silent_fallback():
         out = _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)
-    # A query holding NaN or inf gives NaN scores, and dense attention a NaN row; the compiled CPU kernel returns
-    # zeros there instead. One pass over q marks such rows NaN (outside the compiled region: the CPU template takes
-    # no epilogue); other rows are untouched.
-    return out.masked_fill(~q.isfinite().all(dim=-1, keepdim=True), float("nan"))
+    return out.masked_fill(nan_rows(q, k, v), float("nan"))
+
+
+def nan_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rows that dense causal attention makes NaN: bool ``[B, Hq, N, 1]``.
+
+    A query holding NaN or inf gives NaN scores; a NaN key or value reaches every later query of its group. The
+    compiled CPU kernel returns zeros or a finite row there, and a plan may skip the NaN key's block, so one pass
+    over q, k and v marks these rows (outside the compiled region: the CPU template takes no epilogue).
+    """
+    bad_kv = (k.isnan().any(dim=-1) | v.isnan().any(dim=-1)).to(torch.int32).cumsum(dim=-1) > 0   # [B, Hkv, N]
+    bad_kv = bad_kv.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return (bad_kv | ~q.isfinite().all(dim=-1))[..., None]

@@ -171,7 +171,8 @@ def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfi
     """
     device = a_obs.device
     free, _ = _free_and_forced(a_obs, config)
-    k = torch.minimum(torch.floor(budgets / config.block_size).long(), free.sum(dim=-1))
+    count = torch.floor(budgets / config.block_size).clamp(0, a_obs.shape[-1])   # bounded before the int cast
+    k = torch.minimum(count.long(), free.sum(dim=-1))
     chosen = top_k_mask(a_obs, free, k)                                        # [B, Hq, C_S, C_B]
     segment_of_qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device) * Q_BLOCK_SIZE // config.segment_size
     return chosen[..., segment_of_qb, :] | fixed_blocks(seq_len, config, device)

@@ -52,6 +52,18 @@ def resolve_model(path: str | None) -> tuple[Path, str | None]:
     return model, ggufs[0].name
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_files(folder: Path, what: str, patterns: tuple[str, ...], saver: str) -> None:
+    """Raise `InputError` unless the HF model ``folder`` holds a file matching one of ``patterns`` (checked before
+    loading, so that a half-saved folder fails with a one-line message instead of a transformers traceback)."""
+    if not any(any(folder.glob(pattern)) for pattern in patterns):
+        raise InputError(f"{folder} has a config.json but no {what} (none of {', '.join(patterns)}); save it there "
+                         f"with {saver}.save_pretrained(folder)")
+
+
 def select_device(name: str) -> Any:
     """``torch.device`` for ``--device`` (``auto``: cuda when available)."""
     import torch
@@ -102,19 +114,35 @@ def load_config(folder: Path, gguf_file: str | None, yarn: float | None = None) 
     return config
 
 
+def load_tokenizer(folder: Path, gguf_file: str | None) -> Any:
+    """The model's tokenizer (`flexentropy.integrations.gguf.load_tokenizer`); a failure is an `InputError`."""
+    from flexentropy.integrations.gguf import load_tokenizer as load
+
+    if gguf_file is None:
+        check_files(folder, "tokenizer", TOKENIZER_FILES, "tokenizer")
+    try:
+        return load(folder, gguf_file)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"cannot load the tokenizer of {model_source(folder, gguf_file)}: {err}") from None
+
+
 def load_weights(folder: Path, gguf_file: str | None, config: Any, dtype: Any, device: Any) -> Any:
-    """The causal LM of ``config`` in ``dtype`` on ``device``, in eval mode."""
+    """The causal LM of ``config`` in ``dtype`` on ``device``, in eval mode; a failure to read the weights is an
+    `InputError`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=config, dtype=dtype)
+    if gguf_file is None:
+        check_files(folder, "weights", WEIGHT_FILES, "model")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, config=config, dtype=dtype)
+    except (OSError, ValueError, KeyError) as err:
+        raise InputError(f"cannot load the weights of {model_source(folder, gguf_file)}: {err}") from None
     return model.to(device).eval()
 
 
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto", yarn: float | None = None
                ) -> tuple[Any, Any, str]:
     """``(model, tokenizer, source)`` loaded offline from ``--model``-style ``path`` (see `resolve_model`)."""
-    from flexentropy.integrations.gguf import load_tokenizer
-
     folder, gguf_file = resolve_model(path)
     where = select_device(device)
     config = load_config(folder, gguf_file, yarn)

@@ -94,6 +94,9 @@ class EntropyConfig:
         decode_window: N_W, most recent post-RoPE queries kept for scoring.
         decode_delay: N_D, generated tokens before the first eviction.
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
+        decode_span: an entry's (pooled) score also counts for the ``decode_span`` entries after it (each entry scores
+            the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that
+            follow the one being read (0: off, as the paper).
         decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
         recompress_every: R: after the first eviction, evict again whenever ``decode_budget + R`` entries are
             stored, so a KV head never holds more than ``decode_budget + R`` entries (default 32: the budget bounds
@@ -127,6 +130,7 @@ class EntropyConfig:
     decode_window: int = 32
     decode_delay: int = 16
     decode_pool: int = 5
+    decode_span: int = 16
     decode_score: Literal["softmax", "raw"] = "softmax"
     recompress_every: int | None = 32
     decode_kernel: Literal["auto", "sdpa", "flash"] = "auto"
@@ -181,6 +185,7 @@ class EntropyConfig:
                 f"({self.decode_window}): the window's own entries are always kept"
             )
         check_odd(owner, "decode_pool", self.decode_pool)
+        check_int(owner, "decode_span", self.decode_span, 0)
         if self.recompress_every is not None:
             check_int(owner, "recompress_every", self.recompress_every, 1)
 

@@ -66,6 +66,19 @@ def number_needle(seed: int = 0) -> Needle:
     )
 
 
+VAULT_COLOURS = ("crimson", "amber", "teal", "violet", "olive", "silver")
+
+
+def vault_needle(seed: int = 0) -> Needle:
+    """A 5-digit "access code for the {colour} vault" needle, drawn from ``seed``: its answer is a sentence that
+    repeats the question's words before the code, so that a cache deciding a few tokens into the answer decides
+    before the code is read."""
+    rng = random.Random(seed)
+    code, colour = str(rng.randrange(10_000, 100_000)), VAULT_COLOURS[seed % len(VAULT_COLOURS)]
+    return Needle(fact=f"The access code for the {colour} vault is {code}.",
+                  question=f"What is the access code for the {colour} vault? Answer in one sentence.", answer=code)
+
+
 def truncate_tokens(text: str, num_tokens: int, encode: Encode, decode: Decode) -> str:
     """The first ``num_tokens`` tokens of ``text`` (all of it if shorter), as text."""
     if num_tokens < 0:

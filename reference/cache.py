@@ -110,6 +110,14 @@ def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:
     return pooled
 
 
+def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """Entry ``t`` becomes the max of entries ``t - span .. t`` (those before the start not counted)."""
+    spread = torch.empty_like(scores, dtype=torch.float64)
+    for t in range(scores.shape[-1]):
+        spread[..., t] = scores[..., max(0, t - span) : t + 1].to(torch.float64).amax(-1)
+    return spread
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Alg. 4 steps 3-4: selection and compression
 # --------------------------------------------------------------------------------------------------------------
@@ -141,7 +149,7 @@ def evict(
     after its first query) are always kept.
     """
     scores = window_attention_scores(window_q, keys, query_positions, positions, config.decode_score)  # step 2
-    scores = pool_scores(scores, config.decode_pool)
+    scores = spread_forward(pool_scores(scores, config.decode_pool), config.decode_span)
     forced = positions >= int(query_positions[0])  # step 1: the window's own entries
     indices = keep_indices(scores, config.decode_budget, forced)  # step 3
     batch, kv_heads, kept = indices.shape

@@ -18,6 +18,7 @@ from flexentropy.kv import (
     gather_kv,
     keep_indices,
     pool_scores,
+    spread_forward,
     window_attention_scores,
 )
 from reference import cache as ref
@@ -115,6 +116,18 @@ def test_pool_scores_match_reference(width, length, seed):
         assert pooled is scores
 
 
+@settings(max_examples=30, deadline=None)
+@given(span=st.integers(0, 20), length=st.integers(1, 20), raw=st.booleans(), seed=st.integers(0, 2**16))
+def test_spread_forward_matches_reference(span, length, raw, seed):
+    """Each entry scores the max of itself and the ``span`` entries before it (negative raw scores included)."""
+    scores = _randn(torch.Generator().manual_seed(seed), 2, 3, length)
+    scores = scores if raw else scores.abs()
+    spread = spread_forward(scores, span)
+    torch.testing.assert_close(spread, ref.spread_forward(scores, span), rtol=0, atol=0, check_dtype=False)
+    if span == 0:
+        assert spread is scores
+
+
 @settings(max_examples=60, deadline=None)
 @given(length=st.integers(1, 30), budget=st.integers(1, 35), forced=st.integers(0, 30), as_mask=st.booleans(),
        ties=st.booleans(), seed=st.integers(0, 2**16))
@@ -164,7 +177,7 @@ def _schedules(draw) -> dict:
         config=EntropyConfig(
             decode_budget=budget, decode_window=window, decode_delay=draw(st.integers(1, 4)),
             decode_pool=draw(st.sampled_from([1, 3, 5])), decode_score=draw(st.sampled_from(["softmax", "raw"])),
-            recompress_every=draw(st.sampled_from([None, 1, 4])),
+            decode_span=draw(st.sampled_from([0, 2, 16])), recompress_every=draw(st.sampled_from([None, 1, 4])),
         ),
     )
 

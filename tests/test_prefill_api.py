@@ -78,6 +78,7 @@ def test_config_defaults_are_the_spec() -> None:
     assert cfg.probe_kernel is None      # auto: the kernel on CUDA outside an enclosing compile
     assert (cfg.decode_budget, cfg.decode_window, cfg.decode_delay, cfg.decode_pool) == (1024, 32, 16, 5)
     assert (cfg.decode_score, cfg.recompress_every) == ("softmax", 32)  # the budget bounds memory (None: paper)
+    assert cfg.decode_span == 16      # the continuation of a value being read is kept (0: the paper)
 
 
 def _qkv(b: int = 1, hq: int = 4, hkv: int = 2, n: int = 300, d: int = 16, dtype: torch.dtype = torch.float32):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexentropy import EntropyConfig
-from flexentropy.data import load_essays, number_needle, prompt_ids
+from flexentropy.data import load_essays, number_needle, prompt_ids, vault_needle
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,3 +66,29 @@ def test_finds_the_needle_like_dense(smollm2: tuple[object, object], depth: floa
     assert density < 0.9, f"the sparse path barely ran: density {density:.3f}"
     prefix = expected[: expected.index(needle.answer) + len(needle.answer)]
     assert got.startswith(prefix), f"greedy answers diverge before the needle: {expected!r} vs {got!r}"
+
+
+@pytest.mark.parametrize("budget", [256, 1024])
+def test_the_code_survives_an_eviction_inside_the_answer(smollm2: tuple[object, object], budget: int) -> None:
+    """The latent cache evicts 8 tokens into the answer, before the code is read ("The access code for the crimson
+    vault is ..."). Scored by the window's attention alone (``decode_span=0``), the code's later digits were dropped
+    and the answer lost them ("601" for 60494) at both budgets; with the continuation kept (the default
+    ``decode_span``) the answer is the full cache's."""
+    from flexentropy.caches import LatentKVCache
+    from flexentropy.integrations import enable
+
+    dense, tokenizer = smollm2
+    config = EntropyConfig(dense_prefix=8192, decode_delay=8, decode_budget=budget)   # dense prefill: the cache alone
+    model = enable(copy.deepcopy(dense), config, prefill="dense")
+    essays = load_essays()
+    for seed in range(3):
+        needle = vault_needle(seed)
+        ids = torch.tensor([prompt_ids(tokenizer, essays[seed * 20000:], needle.question, needle=needle,
+                                       context_tokens=2500)])
+        cache = LatentKVCache(config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=16,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        got = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert cache.layers[0].evictions >= 1 and cache.get_seq_length() - ids.shape[1] > 8   # evicted mid-answer
+        assert cache.layers[0].stored <= budget + config.recompress_every
+        assert needle.found_in(got), f"seed {seed}, budget {budget}: {needle.answer} not in {got!r}"

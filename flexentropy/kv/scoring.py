@@ -103,3 +103,20 @@ def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:
         return scores
     flat = scores.reshape(-1, 1, scores.shape[-1])
     return F.avg_pool1d(flat, width, stride=1, padding=width // 2).reshape(scores.shape)
+
+
+def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """``[..., T]``: entry ``t`` becomes the max of ``scores[t - span : t + 1]`` (those before the start not counted),
+    so the ``span`` entries after an attended one keep its score (design.md §2 ``decode_span``). 0 returns
+    ``scores``.
+
+    Why: a window query reading a value attends the token it copies next; the rest of the value lies after it, with
+    no attention yet. Average pooling keeps ``pool // 2`` of those tokens; an answer that outlives the eviction
+    needs the rest.
+    """
+    if not is_int(span) or span < 0:
+        raise ValueError(f"span must be an int >= 0 (0 = off), got {span!r}")
+    if span == 0:
+        return scores
+    flat = F.pad(scores.reshape(-1, 1, scores.shape[-1]), (span, 0), value=float("-inf"))
+    return F.max_pool1d(flat, span + 1, stride=1).reshape(scores.shape)

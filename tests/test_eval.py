@@ -127,6 +127,67 @@ def test_common_words_are_the_most_common() -> None:
     assert min(counts[w] for w in sample.answers) > max(c for w, c in counts.items() if w not in sample.answers)
 
 
+def test_code_recall_asks_a_whole_function_of_the_context() -> None:
+    """The function asked is in the context whole and defined there once; its answers are its scored lines, which
+    the context holds; enough new tokens to write it out."""
+    from flexentropy.eval.tasks import code_lines
+
+    for length, index in ((1024, 0), (3000, 1), (12000, 2)):
+        sample = make_sample("code_recall", length, index, TOKENIZER)
+        name = sample.meta["function"]
+        assert f"`{name}`" in sample.question and sample.meta["file"] in sample.question
+        assert sample.context.count(f"def {name}(") == 1
+        start = sample.context.index(f"def {name}(")
+        source = sample.context[start:].split("\n")
+        assert sample.answers and all(line in sample.context for line in sample.answers)
+        assert sample.answers == code_lines("\n".join(source[:len(source)]))[:len(sample.answers)]
+        assert all(len(line) >= 8 and not line.startswith("#") for line in sample.answers)
+        assert sample.max_new_tokens > sum(len(line) for line in sample.answers)  # bytes: one token each
+
+
+def test_multiturn_asks_the_second_key_later() -> None:
+    sample = make_sample("niah_multiturn", 2000, 4, TOKENIZER)
+    first, second = sample.meta["keys"]
+    (later,) = sample.followups
+    assert first in sample.question and second in later.question and second in later.answer_prefix
+    values = sample.meta["values"]
+    assert sample.answers == tuple(values[first]) and later.answers == tuple(values[second])
+    assert sample.all_answers == sample.answers + later.answers
+    assert all(answer in sample.context for answer in sample.all_answers)
+
+
+def test_later_turns_run_on_the_same_cache(tmp_path: Path, loaded: Loaded) -> None:
+    """A later turn's reply through the cache is the greedy reply of a fresh run over the whole conversation (its
+    ids: prompt, first reply, `next_turn_ids`, answer prefix); a run's record holds both turns and scores each
+    value; multi-turn samples run alone in their batch."""
+    from transformers import DynamicCache
+
+    from flexentropy.data import next_turn_ids
+    from flexentropy.integrations import cache_keyword
+
+    model = loaded.model
+    sample = make_sample("niah_multiturn", 600, 0, TOKENIZER)
+    ids = torch.tensor([sample_ids(TOKENIZER, sample)])
+    cache = DynamicCache(config=model.config)
+    first = model.generate(ids, **{cache_keyword(model): cache}, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    (turn,) = runner.later_turns(model, TOKENIZER, first[0].tolist(), sample.followups, cache, "test")
+    (later,) = sample.followups
+    conversation = first[0].tolist() + next_turn_ids(TOKENIZER, later.question) + TOKENIZER(later.answer_prefix)[
+        "input_ids"]
+    fresh = model.generate(torch.tensor([conversation]), max_new_tokens=later.max_new_tokens, do_sample=False)
+    assert turn["prediction"] == TOKENIZER.decode(fresh[0, len(conversation):].tolist())
+    assert turn["hits"] == [later.answers[0] in turn["prediction"]]
+
+    spec = RunSpec("niah_multiturn", 600, cache="static_latent", cache_budget=64,
+                   config=runner.EVAL_CONFIG.replace(dense_prefix=1 << 20, decode_delay=2))
+    assert indices_of(plan_batches(spec, loaded.prompts(spec, [0, 1]), 2)) == [[0], [1]]
+    run(spec, 1, tmp_path, lambda: loaded)
+    (record,) = records_of(tmp_path, spec)
+    assert [t["question"] for t in record["turns"]] == [sample.question, later.question]
+    assert record["hits"] == [hit for t in record["turns"] for hit in t["hits"]] and len(record["hits"]) == 2
+    assert record["score"] == sum(record["hits"]) / 2 and record["answers"] == list(sample.all_answers)
+
+
 def test_summarise_generates_a_fixed_length() -> None:
     sample = make_sample("summarise", 1200, 0, TOKENIZER)
     assert sample.answers == () and sample.max_new_tokens == sample.min_new_tokens == 100

@@ -284,8 +284,7 @@ def test_a_new_cache_takes_the_buffers_of_a_dropped_one() -> None:
 def test_a_hand_loop_may_prepare_each_step_itself() -> None:
     """A plain loop over an HF model may call ``cache.prepare(1)`` before each forward (the model's pre-hook then
     does not prepare the step again), or twice, or not at all: each step advances once, to the logits and length of
-    the hook alone, and the length of `LatentKVCache`. A second prompt on a used cache says that a cache serves one
-    request; after ``reset()`` it serves the next."""
+    the hook alone, and the length of `LatentKVCache`. After ``reset()`` the cache serves the next request."""
     model, ids = model_for("llama", EVICTING), prompt(300)
 
     def hand_loop(cache: object, prepares: int, steps: int = 12) -> tuple[torch.Tensor, int]:
@@ -305,11 +304,52 @@ def test_a_hand_loop_may_prepare_each_step_itself() -> None:
         cache = StaticLatentKVCache(EVICTING, model=model)
         got = hand_loop(cache, prepares)
         assert cache.is_static and got[1] == 300 + 12 and torch.equal(got[0], expected[0]), prepares
-    with pytest.raises(ValueError, match=r"a cache serves one request; use a new cache \(or cache.reset\(\)\)"):
-        model(ids, **{cache_keyword(model): cache})
     cache.reset()
     got = hand_loop(cache, 1)
     assert got[1] == 300 + 12 and torch.equal(got[0], expected[0])
+
+
+def conversation(model: nn.Module, ids: torch.Tensor, cache: object, compile_config: object = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two turns on one cache: 30 tokens, then a 25-token later turn in one forward and 30 more tokens (generate on
+    the whole conversation, as a chat would)."""
+    options = {"disable_compile": True} if compile_config is None else {"compile_config": compile_config}
+    first = greedy(model, ids, cache, 30, **options)
+    turn = torch.cat([ids, first, prompt(25, seed=9)], dim=1)
+    return first, greedy(model, turn, cache, 30, **options)
+
+
+def test_a_later_turn_continues_on_the_same_cache() -> None:
+    """A forward of several tokens after decoding began is the conversation's next turn: the static cache leaves its
+    buffers for it and re-enters them at the next step (the same buffers), and takes the dynamic cache's decisions
+    and tokens through both turns, eagerly and under transformers' compiled ``generate`` (no graph compiled for the
+    second turn). The turn's forward attends causally within itself, also on a left-padded row."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+    dynamic, static = LatentKVCache(EVICTING), StaticLatentKVCache(EVICTING, model=model)
+    expected = conversation(model, ids, dynamic)
+    got = conversation(model, ids, static)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert static.is_static and static.get_seq_length() == dynamic.get_seq_length() == 300 + 30 + 25 + 30 - 1
+    assert torch.equal(static.kept_positions(1), dynamic.kept_positions(1))
+    assert static.layers[0].evictions == dynamic.layers[0].evictions > 2
+    torch._dynamo.reset()
+    compiled = StaticLatentKVCache(EVICTING, model=model)
+    first = greedy(model, ids, compiled, 30, compile_config=cpu_compile())
+    addresses = compiled.layers[0].buffers["keys"].data_ptr()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    turn = torch.cat([ids, first, prompt(25, seed=9)], dim=1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = greedy(model, turn, compiled, 30, compile_config=cpu_compile())
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled.layers[0].buffers["keys"].data_ptr() == addresses and compiled.is_static
+
+    layer = StaticLatentKVCache(EVICTING, num_layers=1).layers[0]   # causal within a later turn, padded or not
+    query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    layer.keys, layer.values, layer.is_initialized, layer.seen = keys, values, True, 10
+    plain = layer.attend_own_mask(query, None)
+    layer.padding = torch.tensor([0])
+    torch.testing.assert_close(layer.attend_own_mask(query, None), plain)
 
 
 def test_validation() -> None:

@@ -18,16 +18,18 @@ every forward, once: with ``model=`` the cache registers a forward pre-hook on t
 eagerly (unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
 transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces to
 nothing and the step is one graph); a loop over a cache built with ``num_layers=`` (no hook) calls it itself before
-each forward (`flexentropy.runtime.decoding.greedy_decode`). A cache serves one request: a new prompt needs a new
-cache, or ``reset()``. Decisions are therefore taken before the step's queries are handed
+each forward (`flexentropy.runtime.decoding.greedy_decode`). A cache serves one conversation: a forward of several
+tokens after decoding began is its next turn, which leaves the buffers for that forward (`StaticLatentLayer.
+leave_static`: the dynamic path appends it) and re-enters them at the next step; a new prompt needs a new cache, or
+``reset()``. Decisions are therefore taken before the step's queries are handed
 over (transformers' attention order: ``update`` before the queries), so for an attention that hands its queries over
 before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with `LatentKVCache`.
 
 Under ``torch.compile`` the phase-1 steps run their cache work eagerly (excluded from tracing) and return fixed-shape
 placeholders, and the cache's size queries return constants, so one compiled decode graph per phase serves every
 prompt length. Padding of a left-padded batch is read from the prompt (``observe_padding``); decode steps ignore the
-logical attention mask and attend with the cache's own validity mask. One token per forward after the prompt; beam
-search (``reorder_cache``) is not supported.
+logical attention mask and attend with the cache's own validity mask. Beam search (``reorder_cache``) is not
+supported.
 """
 
 from __future__ import annotations
@@ -156,6 +158,13 @@ class StaticLatentLayer(PolicyLayer):
         self._view(slot + q_len)
         return slot
 
+    def leave_static(self) -> None:
+        """Leave the buffers before a forward of several tokens (a later turn): the held entries and the query window
+        are copied out, the forward appends to them on the dynamic path, and the next one-token step decides and
+        re-enters the buffers (`begin_step`), at the same addresses."""
+        self.keys, self.values, self.window = self.keys.clone(), self.values.clone(), self.window.clone()
+        self.static = self.flash = False
+
     # -- phase 2: the captured step -----------------------------------------------------------------------------
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one token's ``[B, Hkv, 1, D]`` key and value at `slot`, in place; returns the whole buffers
@@ -186,11 +195,14 @@ class StaticLatentLayer(PolicyLayer):
         return nan_entries(key_states, value_states, self.capacity)
 
     def attend_own_mask(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Phase-1 decode attention with the layer's own padding mask (HF's logical mask is not read)."""
+        """Phase-1 decode attention (or a later turn's, causal over its ``L`` tokens) with the layer's own padding mask
+        (HF's logical mask is not read)."""
         real = self.real_entries()
         if real is None:
             return decode_attention(query, self.keys, self.values, scale=scale)
-        return grouped_attention(query, self.keys, self.values, real[:, :, None, :], scale)
+        entries = torch.arange(self.keys.shape[-2], device=query.device)
+        causal = entries <= entries[entries.shape[0] - query.shape[-2]:, None]    # [L, S]
+        return grouped_attention(query, self.keys, self.values, real[:, :, None, :] & causal, scale)
 
     # -- readers ------------------------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -288,7 +300,8 @@ class StaticLatentKVCache(LatentKVCache):
     def prepare(self, q_len: int) -> None:
         """Eager work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a phase-1
         step; for a static step, every due decision (a recompression of every layer as one, `decide_together`),
-        then the step's slot and position.
+        then the step's slot and position; before a later turn (several tokens after decoding began), the switch
+        back to the dynamic path.
 
         Once per step: on a cache built with ``model=``, a second call before the step's forward does nothing, and
         the model's pre-hook does not prepare a step that was prepared by hand."""
@@ -300,10 +313,11 @@ class StaticLatentKVCache(LatentKVCache):
         if len(layers) != len(self.layers):
             raise RuntimeError(f"{type(self).__name__}: layers disagree on the decode phase; every layer must see "
                                f"every forward")
-        if q_len != 1:
-            raise ValueError(f"{type(self).__name__} decodes one token per forward after the prompt, and got a "
-                             f"forward of {q_len} tokens after {layers[0].generated} generated ones: a cache serves "
-                             "one request; use a new cache (or cache.reset()) for the next prompt")
+        if q_len != 1:   # a later turn of the conversation: the dynamic path appends it (`leave_static`)
+            for layer in layers:
+                if layer.static:
+                    layer.leave_static()
+            return
         targets = [layer.policy.before_append(layer, q_len) for layer in layers]
         if targets[0] is not None and len(set(targets)) == 1 and stackable(layers):
             decide_together(layers, targets[0], q_len)
@@ -523,7 +537,8 @@ def attach_prepare_hook(model: nn.Module) -> None:
 
 def route_phase_one_eagerly(model: nn.Module) -> None:
     """Make ``model.get_compiled_call`` (what transformers' ``generate`` decodes with) run the steps of a
-    `StaticLatentKVCache` that is not yet static eagerly, and only the static steps compiled.
+    `StaticLatentKVCache` that is not yet static (and a later turn's forward of several tokens) eagerly, and only the
+    static one-token steps compiled.
 
     Traced, a phase-1 step breaks its graph in every layer (its cache work is excluded from tracing), and the frames
     of those breaks are then entered on every later step too: measured on an H200, a captured step took 24.9 ms
@@ -540,7 +555,7 @@ def route_phase_one_eagerly(model: nn.Module) -> None:
             cache = cache_argument(kwargs)
             if not isinstance(cache, StaticLatentKVCache):
                 return compiled(*args, **kwargs)
-            if not cache.is_static:
+            if not cache.is_static or _query_length(args, kwargs) != 1:
                 return model(*args, **kwargs)
             with cache.prepared(_query_length(args, kwargs)):
                 return compiled(*args, **kwargs)

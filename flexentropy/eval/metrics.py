@@ -13,8 +13,13 @@ def string_match_all(prediction: str, answers: Sequence[str]) -> float:
     """
     if not answers:
         return math.nan
+    return sum(value_hits(prediction, answers)) / len(answers)
+
+
+def value_hits(prediction: str, answers: Sequence[str]) -> list[bool]:
+    """Whether each of ``answers`` occurs in ``prediction``, case-insensitive (each value scored on its own)."""
     text = prediction.lower()
-    return sum(answer.lower() in text for answer in answers) / len(answers)
+    return [answer.lower() in text for answer in answers]
 
 
 def string_match_part(prediction: str, answers: Sequence[str]) -> float:

@@ -9,7 +9,8 @@ and ``critiprefill``; ``entropy`` at its default coverage rule does not read it:
 the local window of ``streaming``, the least tokens of columns and of diagonals ``min_budget`` of ``flexprefill``,
 whose ``gamma`` then adds what the input needs); the cache budget ``B_d`` (entries per KV head) is
 the cache policy's ``budget``. ``xattention`` (a mass threshold) and ``vertical_slash`` (fixed counts of columns and
-diagonals) have no budget axis: they run once, at their knobs.
+diagonals) have no budget axis: they run once, at their knobs. The cache ``static_latent`` is the ``latent`` policy
+in a `flexentropy.StaticLatentKVCache` (the captured-decode cache), with the same knobs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def spec_label(spec: str) -> str:
     return "_".join([name, *(f"{k}{v}" for k, v in knobs.items())]).replace("/", "-").replace(" ", "")
 
 
+STATIC_LATENT = "static_latent"
+"""Cache spec name of the ``latent`` policy stored in a `flexentropy.StaticLatentKVCache`."""
+
+
 def _registries() -> tuple[dict[str, type], dict[str, type]]:
     from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES
 
@@ -60,6 +65,7 @@ def prefill_has_budget(spec: str) -> bool:
 def cache_has_budget(spec: str) -> bool:
     """Whether the cache policy has a ``budget`` knob (``full`` has none)."""
     name, _ = parse_spec(spec)
+    name = "latent" if name == STATIC_LATENT else name
     caches = _registries()[1]
     if name not in caches:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(caches)}")
@@ -84,9 +90,12 @@ def apply_prefill(model: Any, policy: Any) -> None:
 
 def make_run_cache(model: Any, spec: str, budget: int | None) -> Any:
     """A fresh transformers ``Cache`` of cache policy ``spec`` (``budget`` = ``B_d`` where it has one)."""
-    from flexentropy.caches import make_cache
+    from flexentropy.caches import StaticLatentKVCache, make_cache
+    from flexentropy.policies import LatentPolicy
 
     name, knobs = parse_spec(spec)
     if budget is not None:
         knobs = {"budget": int(budget), **knobs}
+    if name == STATIC_LATENT:
+        return StaticLatentKVCache(LatentPolicy(**knobs).to_config(), model=model)
     return make_cache(name, model=model, **knobs)

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from flexentropy.config import EntropyConfig
-from flexentropy.eval.metrics import string_match_all, wilson_interval
+from flexentropy.data import next_turn_ids
+from flexentropy.eval.metrics import string_match_all, value_hits, wilson_interval
 from flexentropy.eval.resolve import (
     apply_prefill,
     cache_has_budget,
@@ -40,7 +41,7 @@ from flexentropy.eval.resolve import (
     prefill_has_budget,
     spec_label,
 )
-from flexentropy.eval.tasks import PLACEMENTS, TASKS, Sample, make_sample, sample_ids
+from flexentropy.eval.tasks import PLACEMENTS, TASKS, Sample, Turn, make_sample, sample_ids
 from flexentropy.runtime import loading as runtime_loading
 from flexentropy.runtime.generation import cache_bytes, generate_batch_timed, warm_up
 
@@ -307,6 +308,11 @@ def run_batch(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) 
     ``decode_s_per_token`` (per generated step of the batch), ``kv_mib`` (padding included), ``compiled_graphs``
     (graphs dynamo compiled inside the timed ``generate``: its times then include compilation) and ``device`` (the
     GPU's name, else the device type) are the batch's.
+
+    A sample with later turns (``Sample.followups``; alone in its batch) asks them on the same cache after its reply
+    (`later_turns`): its record's ``turns`` holds each turn's question, reply and ``hits``, its ``score`` is the
+    share of every turn's answers found, and its timings are the first turn's. Every record's ``hits`` says, per
+    answer, whether it was found.
     """
     import torch
 
@@ -341,13 +347,20 @@ def run_batch(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) 
     records = []
     for index, sample, ids, new in zip(indices, samples, rows, news, strict=True):
         prediction = tokenizer.decode(new, skip_special_tokens=True)
-        score = string_match_all(prediction, sample.answers)
+        turns = [{"question": sample.question, "prediction": prediction,
+                  "hits": value_hits(prediction, sample.answers)}]
+        if sample.followups:
+            turns += later_turns(model, tokenizer, ids + new, sample.followups, cache, desc)
+            kv_mib = cache_bytes(cache) / 2**20
+        hits = [hit for turn in turns for hit in turn["hits"]]
+        score = string_match_all(prediction, sample.answers) if len(turns) == 1 else sum(hits) / len(hits)
         records.append({
             "index": index,
             "prompt_tokens": len(ids),
             "prediction": prediction,
-            "answers": list(sample.answers),
+            "answers": list(sample.all_answers),
             "score": None if math.isnan(score) else score,
+            "hits": hits,
             "new_token_ids": new,
             "density": density,
             "layer_density": layer_density,
@@ -357,8 +370,35 @@ def run_batch(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) 
             "compiled_graphs": compiled,
             "device": device,
             "meta": sample.meta,
+            **({"turns": turns} if sample.followups else {}),
         })
     return records
+
+
+def later_turns(model: Any, tokenizer: Any, conversation: list[int], followups: tuple[Turn, ...], cache: Any,
+                desc: str) -> list[dict[str, Any]]:
+    """Ask ``followups`` one after the other on ``cache``, which holds ``conversation`` (prompt and reply ids, one
+    row) but its last token: each turn's ids (`next_turn_ids`, then its answer prefix) go through the cache as one
+    forward, then its reply is generated greedily. Per turn: the question, the reply and whether each answer is in
+    it (``hits``)."""
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    turns = []
+    for number, turn in enumerate(followups, start=2):
+        if conversation[-1] in eos:   # the next turn's ids close the reply themselves
+            conversation = conversation[:-1]
+        conversation = (conversation + next_turn_ids(tokenizer, turn.question)
+                        + list(tokenizer(turn.answer_prefix, add_special_tokens=False)["input_ids"]))
+        ids = torch.tensor([conversation], device=model.device)
+        (new,), _, _ = generate_batch_timed(model, tokenizer, ids, torch.ones_like(ids), cache, turn.max_new_tokens,
+                                            f"{desc} turn {number}")
+        prediction = tokenizer.decode(new, skip_special_tokens=True)
+        turns.append({"question": turn.question, "prediction": prediction,
+                      "hits": value_hits(prediction, turn.answers)})
+        conversation = conversation + new
+    return turns
 
 
 BATCH_ALONE = ("bounded",)
@@ -374,8 +414,8 @@ def batchable(spec: RunSpec) -> bool:
 
 def plan_batches(spec: RunSpec, prompts: dict[int, Prompt], batch_size: int) -> list[list[Prompt]]:
     """``prompts`` (by index, in order) cut into batches of at most ``batch_size`` consecutive samples sharing
-    ``max_new_tokens`` and ``min_new_tokens`` (one sample each unless `batchable`)."""
-    if batch_size == 1 or not batchable(spec):
+    ``max_new_tokens`` and ``min_new_tokens`` (one sample each unless `batchable`; a sample with later turns alone)."""
+    if batch_size == 1 or not batchable(spec) or any(p.sample.followups for p in prompts.values()):
         return [[prompt] for prompt in prompts.values()]
     batches: list[list[Prompt]] = []
     last = None

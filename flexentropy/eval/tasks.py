@@ -13,7 +13,14 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
 * ``niah_multiquery``: four keys; the numbers of all four are asked;
 * ``vt``: variable tracking, one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables; all are asked;
 * ``cwe``: common-word extraction over a numbered list of words drawn from the essays' vocabulary;
+* ``niah_multiturn``: two keys with a number each; the first is asked, then, on the same cache after the reply, the
+  second (`Sample.followups`): the second needle must outlive the decisions the first answer made;
+* ``code_recall``: long output from real code: Python standard-library source files as the context, one of their
+  functions to write out line by line (each line of at least `CODE_LINE_CHARS` characters scored on its own);
 * ``summarise``: the paper's latency prompt (sec. 5.3): summarise the essays, exactly ``max_new_tokens`` generated.
+
+Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``code_recall``,
+``niah_multiturn``) score each value on its own: the score is the share of values found.
 
 Question placement (`prompt_text`): ``"outside"`` puts the question after the context (kvpress' default: the context
 is what gets compressed, the question is not); ``"inside"`` puts it before the context, so it is compressed or
@@ -22,7 +29,9 @@ evicted with the context, and the prompt ends with a question-agnostic reminder.
 
 from __future__ import annotations
 
+import ast
 import functools
+import platform
 import random
 import re
 import string
@@ -31,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from flexentropy.data import chat_ids, load_essays, plant, truncate_tokens
+from flexentropy.data import chat_ids, load_essays, plant, python_sources, truncate_tokens
 
 Placement = Literal["outside", "inside"]
 PLACEMENTS: tuple[str, ...] = ("outside", "inside")
@@ -61,6 +70,21 @@ MAX_CHARS_PER_TOKEN = 12
 
 
 @dataclass(frozen=True)
+class Turn:
+    """A later question of a conversation, asked on the same cache once the reply before it is done.
+
+    Attributes:
+        question: the next user turn. answer_prefix: the start of its reply (part of the prompt).
+        answers: the strings this reply must contain. max_new_tokens: greedy tokens to generate for it.
+    """
+
+    question: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class Sample:
     """One evaluation example in kvpress's data contract, plus what scoring and bookkeeping need.
 
@@ -72,6 +96,8 @@ class Sample:
         answers: every string the reply must contain (kvpress' ``answer``); empty for ``summarise``.
         max_new_tokens: greedy tokens to generate. min_new_tokens: generated even past an end-of-sequence token
             (``summarise`` sets both to 100, as the paper's latency test).
+        followups: later turns, each asked after the reply to the one before on the same cache (`Turn`); the
+            prompt is about ``length`` tokens without them.
         meta: task details (keys, depths, values) for the record.
     """
 
@@ -84,7 +110,13 @@ class Sample:
     answers: tuple[str, ...]
     max_new_tokens: int
     min_new_tokens: int = 0
+    followups: tuple[Turn, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def all_answers(self) -> tuple[str, ...]:
+        """The answers of every turn, first turn first (each scored on its own)."""
+        return self.answers + tuple(answer for turn in self.followups for answer in turn.answers)
 
     def as_kvpress(self) -> dict[str, Any]:
         """The kvpress dataset row: ``context``, ``question``, ``answer_prefix``, ``answer``, ``max_new_tokens``."""
@@ -225,6 +257,17 @@ def niah_multiquery(draw: Draw) -> Sample:
     return _niah(draw, "niah_multiquery", num_keys=4, values_per_key=1, asked_keys=4)
 
 
+def niah_multiturn(draw: Draw) -> Sample:
+    """Two keys with a number each; the first key's number is asked, then the second's in a later turn."""
+    sample = _niah(draw, "niah_multiturn", num_keys=2, values_per_key=1, asked_keys=1)
+    key = sample.meta["keys"][1]
+    value = sample.meta["values"][key][0]
+    later = Turn(question=f"What is the special magic number for {key} mentioned in the provided text?",
+                 answer_prefix=f"The special magic number for {key} mentioned in the provided text is",
+                 answers=(value,), max_new_tokens=22)
+    return replace(sample, followups=(later,))
+
+
 def vt(draw: Draw, hops: int = 4) -> Sample:
     """Variable tracking (RULER ``vt``): one chain of ``hops + 1`` variables, statements planted in order."""
     names: list[str] = []
@@ -280,6 +323,88 @@ def cwe(draw: Draw, num_common: int = 5, common_freq: int = 12, rare_freq: int =
                   meta={"rare_words": low, "common_freq": common_freq, "rare_freq": rare_freq})
 
 
+CODE_LINE_CHARS = 8
+"""Shortest stripped line of a function that `code_recall` scores (shorter ones, ``else:`` or ``return``, are not
+evidence of a copy)."""
+
+CODE_INSTRUCTION = ("Below are Python source files. Read them carefully: you will be asked to write out one of their "
+                    "functions exactly.")
+
+
+def code_lines(source: str) -> tuple[str, ...]:
+    """The lines of ``source`` that `code_recall` scores: stripped, at least `CODE_LINE_CHARS` characters, not
+    comments, each once, in order."""
+    lines = (line.strip() for line in source.splitlines())
+    return tuple(dict.fromkeys(line for line in lines if len(line) >= CODE_LINE_CHARS and not line.startswith("#")))
+
+
+@functools.cache
+def _functions(text: str) -> tuple[tuple[str, str], ...]:
+    """``(name, source)`` of every function and method of a module's ``text`` (no dunders) with 6 to 20 scored
+    lines, from its ``def`` line to its last line."""
+    lines = text.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("__"):
+            source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            if 6 <= len(code_lines(source)) <= 20:
+                found.append((node.name, source))
+    return tuple(found)
+
+
+def _code_context(files: Sequence[tuple[str, str]], room: int, tokenizer: Any
+                  ) -> tuple[str, list[tuple[str, str]]]:
+    """`CODE_INSTRUCTION` and ``room`` tokens of ``files`` (each from its first top-level ``def`` or ``class``, under
+    a ``# file:`` line), and the files it reaches."""
+    parts: list[str] = []
+    chars = 0
+    for name, text in files:
+        tops = [node.lineno for node in ast.parse(text).body
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+        body = "\n".join(text.splitlines()[tops[0] - 1:]) if tops else text
+        parts.append(f"# file: {name}\n{body}")
+        chars += len(parts[-1])
+        if chars >= MAX_CHARS_PER_TOKEN * room:
+            break
+    code = truncate_tokens("\n\n".join(parts), room, _encode(tokenizer), tokenizer.decode)
+    return f"{CODE_INSTRUCTION}\n\n{code}", list(files[:len(parts)])
+
+
+def code_recall(draw: Draw) -> Sample:
+    """Long output from real code (module docstring): standard-library files in a drawn order (`_code_context`), cut
+    to ``length``; the function asked is the one nearest a drawn depth whose whole source is in the context and whose
+    name is defined once there. Its scored lines (`code_lines`) are the answers; ``max_new_tokens`` covers its
+    tokens."""
+    files = draw.rng.sample(python_sources(), len(python_sources()))
+    depth = draw.rng.uniform(0.05, 0.95)
+    prefix = "```python\n"
+
+    def question(name: str, file: str) -> str:
+        return f"Write out the function `{name}` of {file} in the code above, exactly as it appears there."
+
+    overhead = len(assemble_ids(draw.tokenizer, CODE_INSTRUCTION, question("x" * 16, "y" * 12), prefix))
+    room = draw.length - overhead
+    if room <= 0:
+        raise ValueError(f"a prompt of {draw.length} tokens leaves no room for code: template, instruction and "
+                         f"question take {overhead}")
+    for first in range(len(files)):   # the next drawn file first when no function fits whole (tiny lengths)
+        context, included = _code_context(files[first:], room, draw.tokenizer)
+        candidates = [(abs(context.index(source) / len(context) - depth), name, file, source)
+                      for file, text in included for name, source in _functions(text)
+                      if source in context and context.count(f"def {name}(") == 1]
+        if candidates:
+            break
+    else:
+        raise ValueError(f"code_recall: no function of 6-20 lines fits whole in {draw.length} tokens")
+    _, name, file, source = min(candidates)
+    answers = code_lines(source)
+    return Sample("code_recall", draw.length, 0, context, question(name, file), prefix, answers,
+                  max_new_tokens=len(_encode(draw.tokenizer)(source)) + 16,
+                  meta={"function": name, "file": file, "depth": round(depth, 3),
+                        "position": round(context.index(source) / len(context), 3),
+                        "python": platform.python_version()})
+
+
 def summarise(draw: Draw, new_tokens: int = 100) -> Sample:
     """The paper's latency prompt (sec. 5.3): summarise essays, generate exactly ``new_tokens`` tokens."""
     question = "Summarize the text above in one paragraph."
@@ -293,8 +418,10 @@ TASKS: dict[str, Callable[[Draw], Sample]] = {
     "niah_multikey": niah_multikey,
     "niah_multivalue": niah_multivalue,
     "niah_multiquery": niah_multiquery,
+    "niah_multiturn": niah_multiturn,
     "vt": vt,
     "cwe": cwe,
+    "code_recall": code_recall,
     "summarise": summarise,
 }
 """Task name -> generator."""

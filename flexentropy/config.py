@@ -92,7 +92,8 @@ class EntropyConfig:
     Decode (paper sec. 4.3, Alg. 4):
         decode_budget: B_d, cache entries kept per KV head after eviction (window included).
         decode_window: N_W, most recent post-RoPE queries kept for scoring.
-        decode_delay: N_D, generated tokens before the first eviction.
+        decode_delay: N_D, generated tokens before the first eviction (0: at the first decode step, scored by the
+            prompt's own last ``decode_window`` queries, an eviction at the end of the prefill).
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
         decode_span: an entry's (pooled) score also counts for the ``decode_span`` entries after it (each entry scores
             the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that
@@ -178,7 +179,7 @@ class EntropyConfig:
         if not isinstance(self.probe_kernel, bool | None):
             raise TypeError(f"EntropyConfig.probe_kernel must be a bool or None (auto), got {self.probe_kernel!r}")
         check_int(owner, "decode_window", self.decode_window, 1)
-        check_int(owner, "decode_delay", self.decode_delay, 1)
+        check_int(owner, "decode_delay", self.decode_delay, 0)
         if self.decode_budget < self.decode_window:
             raise ValueError(
                 f"EntropyConfig.decode_budget ({self.decode_budget}) must be >= decode_window "

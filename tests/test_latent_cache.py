@@ -175,7 +175,7 @@ def _schedules(draw) -> dict:
         dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)), steps=draw(st.integers(1, 25)),
         hand_over=draw(st.sampled_from(["before", "after"])), seed=draw(st.integers(0, 2**16)),
         config=EntropyConfig(
-            decode_budget=budget, decode_window=window, decode_delay=draw(st.integers(1, 4)),
+            decode_budget=budget, decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3, 5])), decode_score=draw(st.sampled_from(["softmax", "raw"])),
             decode_span=draw(st.sampled_from([0, 2, 16])), recompress_every=draw(st.sampled_from([None, 1, 4])),
         ),
@@ -324,7 +324,7 @@ def test_decode_attention_matches_dense_math():
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(decode_budget=8, decode_window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
     (dict(decode_window=0), "decode_window must be >= 1"),
-    (dict(decode_delay=0), "decode_delay must be >= 1"),
+    (dict(decode_delay=-1), "decode_delay must be >= 0"),
 ])
 def test_bad_config(changes, message):
     with pytest.raises(ValueError, match=message):

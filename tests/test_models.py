@@ -103,6 +103,8 @@ def test_cli_and_eval_resolve_aliases_and_gguf_paths(fake_parts: tuple[PartModel
     assert eval_cli.model_label(args) == "fake-model-yarn4"
     args = eval_cli.build_parser().parse_args(["run", "--model", "/tmp/m/qwen2.5-coder-0.5b.gguf"])
     assert eval_cli.model_label(args) == "qwen2.5-coder-0.5b"
+    args = eval_cli.build_parser().parse_args(["run", "--model", "qwen2.5-coder-0.5b"])   # an alias, dots and all
+    assert eval_cli.model_label(args) == "qwen2.5-coder-0.5b"
 
 
 def test_yarn_on_a_tiny_qwen2_runs_past_the_original_context() -> None:

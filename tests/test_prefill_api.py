@@ -35,7 +35,7 @@ from flexentropy import EntropyConfig, sparse_prefill_attention
         ({"backend": "cuda"}, "backend"),
         ({"decode_budget": 16, "decode_window": 32}, "decode_budget"),
         ({"decode_window": 0}, "decode_window"),
-        ({"decode_delay": 0}, "decode_delay"),
+        ({"decode_delay": -1}, "decode_delay"),
         ({"decode_pool": 4}, "decode_pool"),
         ({"recompress_every": 0}, "recompress_every"),
         # infinities passed validation once and gave inf/NaN budgets silently

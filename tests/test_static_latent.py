@@ -214,7 +214,7 @@ def multi_layer_schedules(draw: st.DrawFn) -> dict:
         group=draw(st.sampled_from([1, 2, 4])), dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)),
         steps=draw(st.integers(1, 30)), seed=draw(st.integers(0, 2**16)),
         config=fe.EntropyConfig(
-            decode_budget=draw(st.integers(window, 16)), decode_window=window, decode_delay=draw(st.integers(1, 4)),
+            decode_budget=draw(st.integers(window, 16)), decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3])), decode_span=draw(st.sampled_from([0, 4])),
             decode_score=draw(st.sampled_from(["softmax", "raw"])),
             recompress_every=draw(st.sampled_from([1, 4])),

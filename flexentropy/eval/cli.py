@@ -30,7 +30,7 @@ from flexentropy.config import EntropyConfig
 from flexentropy.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
 from flexentropy.eval.tasks import PLACEMENTS, TASKS
 from flexentropy.runtime.loading import DTYPES
-from flexentropy.runtime.models import MODEL_HELP, YARN_HELP
+from flexentropy.runtime.models import MODEL_HELP, MODELS, YARN_HELP
 
 DEFAULT_OUT = Path("runs/quality")
 """Default output root: an ignored folder of the working tree (commit what `docs/` quotes by hand)."""
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 def model_label(args: argparse.Namespace) -> str:
     """``--model-label``, else the alias or the stem of ``--model`` (``smollm2`` without one); a YaRN load adds
     ``-yarn<FACTOR>``."""
-    label = args.model_label or (Path(args.model).stem if args.model else "smollm2")
+    label = args.model_label or (args.model if args.model in MODELS else Path(args.model).stem if args.model
+                                 else "smollm2")
     return label if args.model_label or args.yarn is None else f"{label}-yarn{args.yarn:g}"
 
 

@@ -16,7 +16,8 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
 * ``niah_multiturn``: two keys with a number each; the first is asked, then, on the same cache after the reply, the
   second (`Sample.followups`): the second needle must outlive the decisions the first answer made;
 * ``code_recall``: long output from real code: Python standard-library source files as the context, one of their
-  functions to write out line by line (each line of at least `CODE_LINE_CHARS` characters scored on its own);
+  functions to write out after its ``def`` line (each line of its body of at least `CODE_LINE_CHARS` characters,
+  docstring aside, scored on its own);
 * ``summarise``: the paper's latency prompt (sec. 5.3): summarise the essays, exactly ``max_new_tokens`` generated.
 
 Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``code_recall``,
@@ -339,16 +340,17 @@ def code_lines(source: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def _functions(text: str) -> tuple[tuple[str, str], ...]:
-    """``(name, source)`` of every function and method of a module's ``text`` (no dunders) with 6 to 20 scored
-    lines, from its ``def`` line to its last line."""
+def _functions(text: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """``(name, source, scored lines)`` of every function and method of a module's ``text`` (no dunders): its source
+    from the ``def`` line to its last, and the `code_lines` of its body without the docstring, 6 to 20 of them."""
     lines = text.splitlines()
     found = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("__"):
-            source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
-            if 6 <= len(code_lines(source)) <= 20:
-                found.append((node.name, source))
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            scored = code_lines("\n".join(lines[body[0].lineno - 1 : node.end_lineno])) if body else ()
+            if 6 <= len(scored) <= 20:
+                found.append((node.name, "\n".join(lines[node.lineno - 1 : node.end_lineno]), scored))
     return tuple(found)
 
 
@@ -373,7 +375,9 @@ def _code_context(files: Sequence[tuple[str, str]], room: int, tokenizer: Any
 def code_recall(draw: Draw) -> Sample:
     """Long output from real code (module docstring): standard-library files in a drawn order (`_code_context`), cut
     to ``length``; the function asked is the one nearest a drawn depth whose whole source is in the context and whose
-    name is defined once there. Its scored lines (`code_lines`) are the answers; ``max_new_tokens`` covers its
+    name is defined once there. The reply starts with its ``def`` line (the answer prefix, so that the model copies
+    rather than recalls); the scored lines of its body (`code_lines`, docstring left out: a model may summarise it)
+    are the answers; ``max_new_tokens`` covers its
     tokens."""
     files = draw.rng.sample(python_sources(), len(python_sources()))
     depth = draw.rng.uniform(0.05, 0.95)
@@ -382,24 +386,23 @@ def code_recall(draw: Draw) -> Sample:
     def question(name: str, file: str) -> str:
         return f"Write out the function `{name}` of {file} in the code above, exactly as it appears there."
 
-    overhead = len(assemble_ids(draw.tokenizer, CODE_INSTRUCTION, question("x" * 16, "y" * 12), prefix))
+    overhead = len(assemble_ids(draw.tokenizer, CODE_INSTRUCTION, question("x" * 16, "y" * 12), prefix + "x" * 40))
     room = draw.length - overhead
     if room <= 0:
         raise ValueError(f"a prompt of {draw.length} tokens leaves no room for code: template, instruction and "
                          f"question take {overhead}")
     for first in range(len(files)):   # the next drawn file first when no function fits whole (tiny lengths)
         context, included = _code_context(files[first:], room, draw.tokenizer)
-        candidates = [(abs(context.index(source) / len(context) - depth), name, file, source)
-                      for file, text in included for name, source in _functions(text)
+        candidates = [(abs(context.index(source) / len(context) - depth), name, file, source, scored)
+                      for file, text in included for name, source, scored in _functions(text)
                       if source in context and context.count(f"def {name}(") == 1]
         if candidates:
             break
     else:
         raise ValueError(f"code_recall: no function of 6-20 lines fits whole in {draw.length} tokens")
-    _, name, file, source = min(candidates)
-    answers = code_lines(source)
-    return Sample("code_recall", draw.length, 0, context, question(name, file), prefix, answers,
-                  max_new_tokens=len(_encode(draw.tokenizer)(source)) + 16,
+    _, name, file, source, scored = min(candidates)
+    return Sample("code_recall", draw.length, 0, context, question(name, file), prefix + source.split("\n")[0].strip(),
+                  scored, max_new_tokens=len(_encode(draw.tokenizer)(source)) + 16,
                   meta={"function": name, "file": file, "depth": round(depth, 3),
                         "position": round(context.index(source) / len(context), 3),
                         "python": platform.python_version()})

@@ -31,6 +31,9 @@ SETTINGS = {   # name -> EntropyConfig changes (None: the full cache)
     "b256_span4": {"decode_budget": 256, "decode_span": 4},
     "b256_pool1_span0": {"decode_budget": 256, "decode_pool": 1, "decode_span": 0},
     "b256_window64_span0": {"decode_budget": 256, "decode_window": 64, "decode_span": 0},
+    "b256_span16_delay0": {"decode_budget": 256, "decode_delay": 0},
+    "b1024_span16_delay0": {"decode_budget": 1024, "decode_delay": 0},
+    "b128_span16": {"decode_budget": 128, "decode_span": 16},
 }
 
 

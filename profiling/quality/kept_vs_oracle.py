@@ -1,0 +1,139 @@
+"""What the latent cache's first eviction keeps against what the answer then reads: each scoring knob's kept set
+against an oracle, the dense attention of the answer's own later tokens (SmolLM2-135M-Instruct, CPU).
+
+For each prompt (a vault needle, as in ``eviction_inside_answer.py``): the full cache's greedy answer, then the model's
+post-RoPE q/k over prompt + answer (`capture_qkv`). At the first decision, ``delay`` tokens into the answer, every
+setting scores the entries held with the window of queries before it and keeps ``budget`` per KV head (the window's
+own entries first, as the cache does). The oracle weight of an entry is the attention it gets from the answer's
+tokens after the decision, averaged over them and over the group's query heads. Per (layer, KV head):
+recall = the oracle weight on the kept entries / the oracle weight on every entry held. ``oracle`` keeps the top
+``budget`` by that weight (the ceiling of any rule). Also the share of (layer, KV head) pairs that kept each digit of
+the code. Writes ``--out``/kept_vs_oracle.json and a per-layer plot.
+
+    python profiling/quality/kept_vs_oracle.py --prompts 6 --out docs/results/eviction_inside_answer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from eviction_inside_answer import digit_positions
+
+from flexentropy.data import load_essays, prompt_ids, vault_needle
+from flexentropy.eval.capture import capture_qkv
+from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores
+from flexentropy.runtime.loading import load_model
+
+DEFAULT = {"window": 32, "pool": 5, "span": 16, "kind": "softmax", "group": "mean"}
+SETTINGS = {   # name -> changes to the default scoring (EntropyConfig's decode_* defaults)
+    "default": {},
+    "span0": {"span": 0},
+    "span0_pool1": {"span": 0, "pool": 1},
+    "window8": {"window": 8},
+    "window64": {"window": 64},
+    "raw": {"kind": "raw"},
+    "group_max": {"group": "max"},
+}
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, at: int, setting: dict) -> torch.Tensor:
+    """``[1, Hkv, at]`` scores of the ``at`` entries held at the decision, from the window of queries before it."""
+    window = setting["window"]
+    query, keys = q[:, :, at - window:at], k[:, :, :at]
+    group = q.shape[1] // k.shape[1]
+    if setting["group"] == "max":   # each query head scores alone, the group keeps its best head's view
+        keys = keys.repeat_interleave(group, dim=1)
+    raw = window_attention_scores(query, keys, query_positions=torch.arange(at - window, at),
+                                  key_positions=torch.arange(at), kind=setting["kind"])
+    if setting["group"] == "max":
+        raw = raw.unflatten(1, (k.shape[1], group)).amax(dim=2)
+    return spread_forward(pool_scores(raw, setting["pool"]), setting["span"])
+
+
+def oracle_weight(q: torch.Tensor, k: torch.Tensor, at: int) -> torch.Tensor:
+    """``[1, Hkv, at]`` mean attention the answer's tokens after the decision give the entries held at it."""
+    length = q.shape[2]
+    weight = window_attention_scores(q[:, :, at:], k, query_positions=torch.arange(at, length),
+                                     key_positions=torch.arange(length))
+    return weight[..., :at]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--delays", type=int, nargs="+", default=[0, 8, 16])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 1024])
+    parser.add_argument("--context", type=int, default=2500)
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=Path("docs/results/eviction_inside_answer"))
+    args = parser.parse_args()
+    model, tokenizer, source = load_model(None, "cpu", "float32")
+    essays = load_essays()
+    recall: dict[str, list[torch.Tensor]] = {}     # "delay/budget/setting" -> per prompt [layers, Hkv]
+    digits_kept: dict[str, list[list[float]]] = {}
+    for seed in range(args.prompts):
+        needle = vault_needle(seed)
+        ids = prompt_ids(tokenizer, essays[seed * 20000:], needle.question, needle=needle, context_tokens=args.context)
+        digits = digit_positions(tokenizer, ids, needle.answer)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             do_sample=False)
+        layers = capture_qkv(model, out[:, :-1])
+        print(f"prompt {seed}: {len(ids)} tokens, answer {tokenizer.decode(out[0, len(ids):])!r}", flush=True)
+        for delay in args.delays:
+            at = len(ids) + delay
+            for budget in args.budgets:
+                for name, changes in {**SETTINGS, "oracle": None}.items():
+                    per_layer, kept_digits = [], []
+                    for layer in layers:
+                        weight = oracle_weight(layer.q.float(), layer.k.float(), at)
+                        ranked = weight if changes is None else scores(layer.q.float(), layer.k.float(), at,
+                                                                         {**DEFAULT, **changes})
+                        kept = keep_indices(ranked, budget, 0 if changes is None else {**DEFAULT, **changes}["window"])
+                        per_layer.append((weight.gather(-1, kept).sum(-1) / weight.sum(-1))[0])
+                        kept_digits.append(torch.stack([(kept[0] == d).any(-1) for d in digits], -1))
+                    key = f"{delay}/{budget}/{name}"
+                    recall.setdefault(key, []).append(torch.stack(per_layer))
+                    digits_kept.setdefault(key, []).append(torch.stack(kept_digits).float().mean(dim=(0, 1)).tolist())
+    summary = {}
+    for key, values in recall.items():
+        per_layer = torch.stack(values).mean(dim=0)          # [layers, Hkv], mean over prompts
+        worst = per_layer.flatten().argsort()[:5]
+        summary[key] = {"recall": per_layer.mean().item(), "worst_layer_recall": per_layer.mean(-1).min().item(),
+                        "worst_pairs": [(int(i) // per_layer.shape[1], int(i) % per_layer.shape[1],
+                                         round(per_layer.flatten()[i].item(), 3)) for i in worst],
+                        "per_layer": per_layer.mean(-1).tolist(),
+                        "digits_kept": torch.tensor(digits_kept[key]).mean(dim=0).tolist()}
+    for key, row in summary.items():
+        print(f"{key:24s} recall {row['recall']:.3f}  worst layer {row['worst_layer_recall']:.3f}  digits kept "
+              f"{[round(x, 2) for x in row['digits_kept']]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": source, "prompts": args.prompts, "context": args.context, "new_tokens": args.new_tokens,
+            "delays": args.delays, "budgets": args.budgets, "default": DEFAULT, "settings": SETTINGS}
+    (args.out / "kept_vs_oracle.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    plot(summary, args, args.out / "kept_vs_oracle.png")
+
+
+def plot(summary: dict, args: argparse.Namespace, path: Path) -> None:
+    """Recall per layer, one panel per budget, at the middle delay: each setting and the oracle."""
+    import matplotlib.pyplot as plt
+
+    delay = args.delays[len(args.delays) // 2]
+    fig, axes = plt.subplots(1, len(args.budgets), figsize=(5 * len(args.budgets), 3.6), sharey=True)
+    for ax, budget in zip(axes, args.budgets, strict=True):
+        for name in [*SETTINGS, "oracle"]:
+            row = summary[f"{delay}/{budget}/{name}"]
+            ax.plot(row["per_layer"], label=f"{name} ({row['recall']:.2f})",
+                    linestyle="--" if name == "oracle" else "-")
+        ax.set_title(f"decode_budget {budget}, eviction {delay} tokens into the answer")
+        ax.set_xlabel("layer")
+    axes[0].set_ylabel("answer's attention on kept entries")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

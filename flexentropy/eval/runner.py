@@ -31,7 +31,7 @@ from typing import Any
 
 from flexentropy.config import EntropyConfig
 from flexentropy.data import next_turn_ids
-from flexentropy.eval.metrics import string_match_all, value_hits, wilson_interval
+from flexentropy.eval.metrics import value_hits, wilson_interval
 from flexentropy.eval.resolve import (
     apply_prefill,
     cache_has_budget,
@@ -353,7 +353,7 @@ def run_batch(loaded: Loaded, spec: RunSpec, prompts: list[Prompt], cache: Any) 
             turns += later_turns(model, tokenizer, ids + new, sample.followups, cache, desc)
             kv_mib = cache_bytes(cache) / 2**20
         hits = [hit for turn in turns for hit in turn["hits"]]
-        score = string_match_all(prediction, sample.answers) if len(turns) == 1 else sum(hits) / len(hits)
+        score = sum(hits) / len(hits) if hits else math.nan
         records.append({
             "index": index,
             "prompt_tokens": len(ids),

@@ -27,7 +27,7 @@ from flexentropy.eval.capture import capture_qkv
 from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores
 from flexentropy.runtime.loading import load_model
 
-DEFAULT = {"window": 32, "pool": 5, "span": 16, "kind": "softmax", "group": "mean"}
+DEFAULT = {"window": 32, "pool": 5, "span": 16, "kind": "softmax", "group": "mean", "split": "none"}
 SETTINGS = {   # name -> changes to the default scoring (EntropyConfig's decode_* defaults)
     "default": {},
     "span0": {"span": 0},
@@ -36,6 +36,8 @@ SETTINGS = {   # name -> changes to the default scoring (EntropyConfig's decode_
     "window64": {"window": 64},
     "raw": {"kind": "raw"},
     "group_max": {"group": "max"},
+    "heads_shared": {"split": "heads"},     # one top-k over the layer's KV heads (per-head counts, as AdaKV)
+    "pyramid": {"split": "layers"},         # 1.5x the budget in the first layer down to 0.5x in the last (PyramidKV)
 }
 
 
@@ -51,6 +53,18 @@ def scores(q: torch.Tensor, k: torch.Tensor, at: int, setting: dict) -> torch.Te
     if setting["group"] == "max":
         raw = raw.unflatten(1, (k.shape[1], group)).amax(dim=2)
     return spread_forward(pool_scores(raw, setting["pool"]), setting["span"])
+
+
+def kept_mask(ranked: torch.Tensor, budget: int, window: int, split: str) -> torch.Tensor:
+    """bool ``[1, Hkv, at]``: ``budget`` entries per KV head (the last ``window`` first), or with ``split="heads"``
+    ``budget * Hkv`` over the layer's heads together (each head's window first)."""
+    if split != "heads":
+        kept = keep_indices(ranked, budget, window)
+        return torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, kept, True)
+    forced = ranked.clone()
+    forced[..., -window:] = float("inf")
+    flat = forced.flatten(1).topk(min(budget * ranked.shape[1], forced[0].numel()), dim=-1).indices
+    return torch.zeros_like(ranked, dtype=torch.bool).flatten(1).scatter_(-1, flat, True).view_as(ranked)
 
 
 def oracle_weight(q: torch.Tensor, k: torch.Tensor, at: int) -> torch.Tensor:
@@ -86,14 +100,16 @@ def main() -> None:
             at = len(ids) + delay
             for budget in args.budgets:
                 for name, changes in {**SETTINGS, "oracle": None}.items():
+                    setting = {**DEFAULT, **(changes or {})}
                     per_layer, kept_digits = [], []
-                    for layer in layers:
+                    for index, layer in enumerate(layers):
                         weight = oracle_weight(layer.q.float(), layer.k.float(), at)
-                        ranked = weight if changes is None else scores(layer.q.float(), layer.k.float(), at,
-                                                                         {**DEFAULT, **changes})
-                        kept = keep_indices(ranked, budget, 0 if changes is None else {**DEFAULT, **changes}["window"])
-                        per_layer.append((weight.gather(-1, kept).sum(-1) / weight.sum(-1))[0])
-                        kept_digits.append(torch.stack([(kept[0] == d).any(-1) for d in digits], -1))
+                        share = 1.5 - index / max(len(layers) - 1, 1) if setting["split"] == "layers" else 1.0
+                        ranked = weight if changes is None else scores(layer.q.float(), layer.k.float(), at, setting)
+                        kept = kept_mask(ranked, round(budget * share), 0 if changes is None else setting["window"],
+                                         setting["split"])
+                        per_layer.append(((weight * kept).sum(-1) / weight.sum(-1))[0])
+                        kept_digits.append(kept[0][:, digits])
                     key = f"{delay}/{budget}/{name}"
                     recall.setdefault(key, []).append(torch.stack(per_layer))
                     digits_kept.setdefault(key, []).append(torch.stack(kept_digits).float().mean(dim=(0, 1)).tolist())
@@ -121,7 +137,8 @@ def plot(summary: dict, args: argparse.Namespace, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     delay = args.delays[len(args.delays) // 2]
-    fig, axes = plt.subplots(1, len(args.budgets), figsize=(5 * len(args.budgets), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(args.budgets), figsize=(5 * len(args.budgets), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, budget in zip(axes, args.budgets, strict=True):
         for name in [*SETTINGS, "oracle"]:
             row = summary[f"{delay}/{budget}/{name}"]

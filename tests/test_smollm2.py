@@ -92,3 +92,21 @@ def test_the_code_survives_an_eviction_inside_the_answer(smollm2: tuple[object, 
         assert cache.layers[0].evictions >= 1 and cache.get_seq_length() - ids.shape[1] > 8   # evicted mid-answer
         assert cache.layers[0].stored <= budget + config.recompress_every
         assert needle.found_in(got), f"seed {seed}, budget {budget}: {needle.answer} not in {got!r}"
+
+
+def test_next_turn_ids_continue_the_chat_template(smollm2: tuple[object, object]) -> None:
+    """A conversation built turn by turn (prompt ids, the reply's ids and its end-of-turn token, `next_turn_ids`)
+    is the chat template's rendering of the whole conversation: a later turn on a cache reads what a model trained
+    on the template expects."""
+    from flexentropy.data import chat_ids, next_turn_ids
+
+    _, tokenizer = smollm2
+    reply = tokenizer("The special magic number is 1234567.", add_special_tokens=False)["input_ids"]
+    built = chat_ids(tokenizer, "Remember 1234567.") + reply + [tokenizer.eos_token_id]
+    built = built[:-1] + next_turn_ids(tokenizer, "And the other one?")   # the next turn closes the reply itself
+    whole = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Remember 1234567."},
+         {"role": "assistant", "content": "The special magic number is 1234567."},
+         {"role": "user", "content": "And the other one?"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    assert built == list(whole)

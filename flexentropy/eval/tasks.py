@@ -328,6 +328,9 @@ CODE_LINE_CHARS = 8
 """Shortest stripped line of a function that `code_recall` scores (shorter ones, ``else:`` or ``return``, are not
 evidence of a copy)."""
 
+CODE_FUNCTION_CHARS = 800
+"""Longest function source `code_recall` asks for (about 200-250 tokens of code for a BPE tokenizer)."""
+
 CODE_INSTRUCTION = ("Below are Python source files. Read them carefully: you will be asked to write out one of their "
                     "functions exactly.")
 
@@ -341,16 +344,18 @@ def code_lines(source: str) -> tuple[str, ...]:
 
 @functools.cache
 def _functions(text: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """``(name, source, scored lines)`` of every function and method of a module's ``text`` (no dunders): its source
-    from the ``def`` line to its last, and the `code_lines` of its body without the docstring, 6 to 20 of them."""
+    """``(name, source, scored lines)`` of every function and method of a module's ``text`` (no dunders) of at most
+    `CODE_FUNCTION_CHARS`: its source from the ``def`` line to its last, and the `code_lines` of its body without
+    the docstring, 6 to 20 of them."""
     lines = text.splitlines()
     found = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("__"):
             body = node.body[1:] if ast.get_docstring(node) is not None else node.body
             scored = code_lines("\n".join(lines[body[0].lineno - 1 : node.end_lineno])) if body else ()
-            if 6 <= len(scored) <= 20:
-                found.append((node.name, "\n".join(lines[node.lineno - 1 : node.end_lineno]), scored))
+            source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            if 6 <= len(scored) <= 20 and len(source) <= CODE_FUNCTION_CHARS:
+                found.append((node.name, source, scored))
     return tuple(found)
 
 

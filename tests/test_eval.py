@@ -153,6 +153,7 @@ def test_multiturn_asks_the_second_key_later() -> None:
     assert first in sample.question and second in later.question and second in later.answer_prefix
     values = sample.meta["values"]
     assert sample.answers == tuple(values[first]) and later.answers == tuple(values[second])
+    assert len(sample.answers) == 3 and len(later.answers) == 1
     assert sample.all_answers == sample.answers + later.answers
     assert all(answer in sample.context for answer in sample.all_answers)
 
@@ -185,8 +186,8 @@ def test_later_turns_run_on_the_same_cache(tmp_path: Path, loaded: Loaded) -> No
     run(spec, 1, tmp_path, lambda: loaded)
     (record,) = records_of(tmp_path, spec)
     assert [t["question"] for t in record["turns"]] == [sample.question, later.question]
-    assert record["hits"] == [hit for t in record["turns"] for hit in t["hits"]] and len(record["hits"]) == 2
-    assert record["score"] == sum(record["hits"]) / 2 and record["answers"] == list(sample.all_answers)
+    assert record["hits"] == [hit for t in record["turns"] for hit in t["hits"]] and len(record["hits"]) == 4
+    assert record["score"] == sum(record["hits"]) / 4 and record["answers"] == list(sample.all_answers)
 
 
 def test_summarise_generates_a_fixed_length() -> None:

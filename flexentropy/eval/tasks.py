@@ -13,8 +13,9 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
 * ``niah_multiquery``: four keys; the numbers of all four are asked;
 * ``vt``: variable tracking, one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables; all are asked;
 * ``cwe``: common-word extraction over a numbered list of words drawn from the essays' vocabulary;
-* ``niah_multiturn``: two keys with a number each; the first is asked, then, on the same cache after the reply, the
-  second (`Sample.followups`): the second needle must outlive the decisions the first answer made;
+* ``niah_multiturn``: two keys, three numbers for the first and one for the second; the first key's are asked, then,
+  on the same cache after the reply, the second's (`Sample.followups`): the second needle must outlive the decisions
+  taken while the first answer was written;
 * ``code_recall``: long output from real code: Python standard-library source files as the context, one of their
   functions to write out after its ``def`` line (each line of its body of at least `CODE_LINE_CHARS` characters,
   docstring aside, scored on its own);
@@ -223,9 +224,10 @@ def _names(keys: Sequence[str]) -> str:
     return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
 
 
-def _niah(draw: Draw, task: str, num_keys: int, values_per_key: int, asked_keys: int) -> Sample:
+def _niah(draw: Draw, task: str, num_keys: int, values_per_key: int | Sequence[int], asked_keys: int) -> Sample:
     keys = draw.rng.sample(KEYS, num_keys)
-    values = {key: [draw.number() for _ in range(values_per_key)] for key in keys}
+    counts = [values_per_key] * num_keys if isinstance(values_per_key, int) else list(values_per_key)
+    values = {key: [draw.number() for _ in range(count)] for key, count in zip(keys, counts, strict=True)}
     facts = [_magic(key, value) for key in keys for value in values[key]]
     draw.rng.shuffle(facts)
     depths = draw.depths(len(facts))
@@ -259,8 +261,9 @@ def niah_multiquery(draw: Draw) -> Sample:
 
 
 def niah_multiturn(draw: Draw) -> Sample:
-    """Two keys with a number each; the first key's number is asked, then the second's in a later turn."""
-    sample = _niah(draw, "niah_multiturn", num_keys=2, values_per_key=1, asked_keys=1)
+    """Two keys, the first with three numbers, the second with one: the first key's numbers are asked (a reply of
+    ~30 tokens, past a default ``decode_delay``), then the second key's number in a later turn."""
+    sample = _niah(draw, "niah_multiturn", num_keys=2, values_per_key=(3, 1), asked_keys=1)
     key = sample.meta["keys"][1]
     value = sample.meta["values"][key][0]
     later = Turn(question=f"What is the special magic number for {key} mentioned in the provided text?",

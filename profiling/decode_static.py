@@ -10,14 +10,18 @@ Parts (``--parts``, comma-separated; each call merges its rows into ``OUT/decode
 * ``decode``: decode step ms at each ``--contexts`` (batch 1) and ``--batch8`` (batch 8) for
   ``hf_eager_dense`` (DynamicCache, SDPA flash), ``hf_static_dense_compiled`` (HF StaticCache sized to the context,
   the forward compiled as ``generate`` compiles it: CUDA graphs), ``eager_latent`` (LatentKVCache) and
-  ``static_latent_captured`` (StaticLatentKVCache, compiled forward). The prompt's KV is random (filled through the
+  ``static_latent_captured`` (StaticLatentKVCache, compiled forward) and ``dense_lengths_captured`` (the strongest
+  dense decode these kernels give, `dense_lengths_config`: the full cache in static buffers, never evicted, read
+  over exactly its valid entries by flash-attn-4's kernel, compiled and captured as flexentropy's; SDPA over the
+  masked buffer where that kernel cannot run). The prompt's KV is random (filled through the
   caches' own ``update``: a decode step's cost does not depend on the values); the latent rows run their
   ``decode_delay`` phase-1 steps eagerly, then are timed on the steady state (evictions included). Each row has
   ``limit_ms``: (weights + KV bytes read per step) / 4.3 TB/s.
 * ``e2e``: prefill + ``--new-tokens`` at ``--e2e-context`` through ``generate``: ``dense_best`` (the faster of a
   cuDNN SDPA prefill and a FLASH-backend dense flex prefill, HF StaticCache, compiled decode) vs ``flexentropy``
   (sparse prefill on the FLASH backend when flash-attn-4 is importable, StaticLatentKVCache, compiled decode), the
-  latter cold (dynamo reset) and after ``fe.warm_up``.
+  latter cold (dynamo reset) and after ``fe.warm_up``; ``dense_lengths``: SDPA prefill, then the decode of
+  ``dense_lengths_captured``, through ``generate`` after a warm-up request.
 * ``checks``: greedy tokens of the captured vs the uncaptured static latent decode at a covering budget on a short
   prompt, and the same for dense (HF ``StaticCache``, eager against compiled) as a control, on the random-weight
   model or, with ``--check-model``, on a real one (Qwen2.5-Coder-1.5B on the device) and an essay prompt; graphs
@@ -64,7 +68,15 @@ from flexentropy.prefill.kernel import flash_available, kernel_options  # noqa: 
 BANDWIDTH = 4.3e12
 """H200 HBM bytes per second: the memory-speed limit of a decode step."""
 
-VARIANTS = ("hf_eager_dense", "hf_static_dense_compiled", "eager_latent", "static_latent_captured")
+VARIANTS = ("hf_eager_dense", "hf_static_dense_compiled", "dense_lengths_captured", "eager_latent",
+            "static_latent_captured")
+
+
+def dense_lengths_config(cfg: fe.EntropyConfig, entries: int) -> fe.EntropyConfig:
+    """``cfg`` for a `StaticLatentKVCache` that is a dense decode: a budget above the ``entries`` a request holds
+    (nothing is ever evicted) and the switch to the static buffers at the first decode step (``decode_delay=0``),
+    so every step is captured and reads exactly the valid entries (``lengths``) with flash-attn-4's kernel."""
+    return cfg.replace(decode_budget=entries, decode_delay=0)
 
 
 TUNED = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
@@ -201,8 +213,10 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
                 row["step_ms"] = time_steps(step, device, args.warm, args.steps)
             entries = size  # attention reads the whole buffer under its mask
         else:
+            if variant == "dense_lengths_captured":
+                cfg = dense_lengths_config(cfg, n + cfg.decode_delay + args.warm + args.steps + 8)
             fe.enable(model, cfg, prefill="dense")
-            static = variant == "static_latent_captured"
+            static = variant in ("static_latent_captured", "dense_lengths_captured")
             cache = (fe.StaticLatentKVCache(cfg, model=model) if static else fe.LatentKVCache(cfg))
             fill(cache, model, batch, n, device)
             step = step_fn(model, model.__call__, cache, batch, n, device)
@@ -215,8 +229,10 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
                 if args.profile_decode:
                     row["gpu_busy_ms"] = profile_steps(step_compiled, device, Path(args.out) /
                                                        f"decode_profile_{row['variant']}_b{batch}_{n}.txt")
-                entries = cache.capacity
-                row["decode_kernel"] = "flash" if cache.layers[0].flash else "sdpa"
+                flash = cache.layers[0].flash
+                entries = n + args.warm + args.steps if flash and variant == "dense_lengths_captured" else (
+                    cache.capacity)  # flash reads the valid entries (at most this many), SDPA the whole buffer
+                row["decode_kernel"] = "flash" if flash else "sdpa"
             else:
                 row["step_ms"] = time_steps(step, device, args.warm, args.steps)
                 entries = cache.stored_length(0)
@@ -402,6 +418,23 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
                 "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
 
     yield run(loop)
+
+    def dense_lengths() -> dict:
+        """Dense through flexentropy's own decode machinery (`dense_lengths_config`): SDPA prefill (its default
+        backend), then every step captured, reading exactly the valid entries; a warm-up request of
+        ``--warm-lengths[0]`` tokens compiles and records the step first (the buffers' shapes do not depend on the
+        prompt)."""
+        full = dense_lengths_config(cfg, n + new + 8)
+        fe.enable(model, full, prefill="dense")
+        generate_s(model, ids[:, :args.warm_lengths[0]], fe.StaticLatentKVCache(full, model=model), 8, device,
+                   compile_config=cc)
+        clock = StepClock(device)
+        cache = fe.StaticLatentKVCache(full, model=model)
+        seconds, _ = generate_s(model, ids, cache, new, device, clock, compile_config=cc)
+        return {"part": "e2e", "variant": "dense_lengths" + args.tag, "n": n, "new_tokens": new, "total_s": seconds,
+                **clock.summary(0), "decode_kernel": "flash" if cache.layers[0].flash else "sdpa"}
+
+    yield run(dense_lengths)
 
     def dense() -> dict:
         """Best dense per phase: cuDNN SDPA prefill (eager, through generate), then the compiled static decode

@@ -352,6 +352,20 @@ def test_a_later_turn_continues_on_the_same_cache() -> None:
     torch.testing.assert_close(layer.attend_own_mask(query, None), plain)
 
 
+def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
+    """With ``decode_delay=0`` and a budget above what a request holds, the cache switches to its buffers at the
+    first step and never evicts: the tokens of a full ``DynamicCache`` (the dense decode baseline of
+    ``profiling/decode_static.py``)."""
+    from transformers import DynamicCache
+
+    config = EVICTING.replace(decode_budget=300 + 40, decode_delay=0)
+    model, ids = model_for("llama", config), prompt(300)
+    cache = StaticLatentKVCache(config, model=model)
+    got = greedy(model, ids, cache, 40, disable_compile=True)
+    assert torch.equal(got, greedy(model, ids, DynamicCache(config=model.config), 40, disable_compile=True))
+    assert cache.is_static and cache.layers[0].evictions == 0 and cache.stored_length(0) == 300 + 39
+
+
 def test_validation() -> None:
     with pytest.raises(ValueError, match="recompress_every"):
         StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)

@@ -388,6 +388,37 @@ def test_prompts_built_on_worker_threads_are_the_serial_ones(placement: str) -> 
         assert prompt.sample == sample and prompt.ids == sample_ids(TOKENIZER, sample, placement)
 
 
+def test_code_prompts_parse_one_at_a_time_on_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """code_recall parses Python sources on the builder's threads, and CPython 3.11's ``ast.parse`` is not
+    thread-safe (a run crashed with "AST constructor recursion depth mismatch"): no two parses overlap, and the
+    prompts are what one thread builds."""
+    import ast
+    import threading
+    import time
+
+    from flexentropy.eval import tasks
+
+    parse, inside, overlaps, lock = ast.parse, [0], [], threading.Lock()
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            inside[0] += 1
+            overlaps.append(inside[0] > 1)
+        time.sleep(0.002)  # widen the window a second thread would need
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    tasks._module.cache_clear()
+    monkeypatch.setattr(tasks.ast, "parse", watched)
+    built = PromptBuilder(TOKENIZER, workers=4).build(RunSpec("code_recall", 6000), list(range(8)))
+    assert overlaps and not any(overlaps)
+    for index, prompt in built.items():
+        assert prompt.sample == make_sample("code_recall", 6000, index, TOKENIZER)
+
+
 def test_bounded_cache_runs_one_by_one(tmp_path: Path, loaded: Loaded) -> None:
     spec = RunSpec("niah_single", 1024, cache="bounded:anchors=32,recent=64")
     assert indices_of(plan_batches(spec, loaded.prompts(spec, [0, 1, 2]), 3)) == [[0], [1], [2]]

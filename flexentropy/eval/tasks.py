@@ -37,6 +37,7 @@ import platform
 import random
 import re
 import string
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -345,21 +346,30 @@ def code_lines(source: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(line for line in lines if len(line) >= CODE_LINE_CHARS and not line.startswith("#")))
 
 
+_PARSE = threading.Lock()
+"""Held around ``ast.parse``: CPython 3.11's parser is not thread-safe, and `PromptBuilder` draws prompts on threads."""
+
+
 @functools.cache
-def _functions(text: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """``(name, source, scored lines)`` of every function and method of a module's ``text`` (no dunders) of at most
-    `CODE_FUNCTION_CHARS`: its source from the ``def`` line to its last, and the `code_lines` of its body without
-    the docstring, 6 to 20 of them."""
+def _module(text: str) -> tuple[int | None, tuple[tuple[str, str, tuple[str, ...]], ...]]:
+    """A module's ``text``: the line of its first top-level ``def`` or ``class`` (None without one), and
+    ``(name, source, scored lines)`` of every function and method (no dunders) of at most `CODE_FUNCTION_CHARS`: its
+    source from the ``def`` line to its last, and the `code_lines` of its body without the docstring, 6 to 20 of
+    them."""
+    with _PARSE:
+        tree = ast.parse(text)
     lines = text.splitlines()
     found = []
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("__"):
             body = node.body[1:] if ast.get_docstring(node) is not None else node.body
             scored = code_lines("\n".join(lines[body[0].lineno - 1 : node.end_lineno])) if body else ()
             source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
             if 6 <= len(scored) <= 20 and len(source) <= CODE_FUNCTION_CHARS:
                 found.append((node.name, source, scored))
-    return tuple(found)
+    tops = [node.lineno for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    return (tops[0] if tops else None), tuple(found)
 
 
 def _code_context(files: Sequence[tuple[str, str]], room: int, tokenizer: Any
@@ -369,9 +379,8 @@ def _code_context(files: Sequence[tuple[str, str]], room: int, tokenizer: Any
     parts: list[str] = []
     chars = 0
     for name, text in files:
-        tops = [node.lineno for node in ast.parse(text).body
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
-        body = "\n".join(text.splitlines()[tops[0] - 1:]) if tops else text
+        first = _module(text)[0]
+        body = "\n".join(text.splitlines()[first - 1:]) if first else text
         parts.append(f"# file: {name}\n{body}")
         chars += len(parts[-1])
         if chars >= MAX_CHARS_PER_TOKEN * room:
@@ -402,7 +411,7 @@ def code_recall(draw: Draw) -> Sample:
     for first in range(len(files)):   # the next drawn file first when no function fits whole (tiny lengths)
         context, included = _code_context(files[first:], room, draw.tokenizer)
         candidates = [(abs(context.index(source) / len(context) - depth), name, file, source, scored)
-                      for file, text in included for name, source, scored in _functions(text)
+                      for file, text in included for name, source, scored in _module(text)[1]
                       if source in context and context.count(f"def {name}(") == 1]
         if candidates:
             break

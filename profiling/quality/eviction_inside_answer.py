@@ -34,6 +34,8 @@ SETTINGS = {   # name -> EntropyConfig changes (None: the full cache)
     "b256_span16_delay0": {"decode_budget": 256, "decode_delay": 0},
     "b1024_span16_delay0": {"decode_budget": 1024, "decode_delay": 0},
     "b128_span16": {"decode_budget": 128, "decode_span": 16},
+    "b256_span64": {"decode_budget": 256, "decode_span": 64},
+    "b1024_span64": {"decode_budget": 1024, "decode_span": 64},
 }
 
 

@@ -6,9 +6,12 @@ post-RoPE q/k over prompt + answer (`capture_qkv`). At the first decision, ``del
 setting scores the entries held with the window of queries before it and keeps ``budget`` per KV head (the window's
 own entries first, as the cache does). The oracle weight of an entry is the attention it gets from the answer's
 tokens after the decision, averaged over them and over the group's query heads. Per (layer, KV head):
-recall = the oracle weight on the kept entries / the oracle weight on every entry held. ``oracle`` keeps the top
-``budget`` by that weight (the ceiling of any rule). Also the share of (layer, KV head) pairs that kept each digit of
-the code. Writes ``--out``/kept_vs_oracle.json and a per-layer plot.
+recall = the oracle weight on the kept entries / the oracle weight on every entry held; ``needed`` = the share kept
+of the entries that some later token, in some query head of the group, gives at least ``--needed`` of its attention
+(what a copy reads at the moment it copies, which a mean over the answer dilutes), and the same over the code's
+digits alone (``digits_needed_kept``: the (layer, head) pairs that read a digit, not all of them). ``oracle`` keeps
+the top ``budget`` by the mean weight, ``oracle_needed`` by the largest. Also the share of (layer, KV head) pairs that
+kept each digit of the code. Writes ``--out``/kept_vs_oracle.json and a per-layer plot.
 
     python profiling/quality/kept_vs_oracle.py --prompts 6 --out docs/results/eviction_inside_answer
 """
@@ -67,12 +70,15 @@ def kept_mask(ranked: torch.Tensor, budget: int, window: int, split: str) -> tor
     return torch.zeros_like(ranked, dtype=torch.bool).flatten(1).scatter_(-1, flat, True).view_as(ranked)
 
 
-def oracle_weight(q: torch.Tensor, k: torch.Tensor, at: int) -> torch.Tensor:
-    """``[1, Hkv, at]`` mean attention the answer's tokens after the decision give the entries held at it."""
-    length = q.shape[2]
-    weight = window_attention_scores(q[:, :, at:], k, query_positions=torch.arange(at, length),
-                                     key_positions=torch.arange(length))
-    return weight[..., :at]
+def oracle_weight(q: torch.Tensor, k: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, Hkv, at]`` mean and largest attention the answer's tokens after the decision give the entries held at
+    it (over those tokens and the group's query heads)."""
+    length, group = q.shape[2], q.shape[1] // k.shape[1]
+    logits = q[:, :, at:] @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    causal = torch.arange(length) <= torch.arange(at, length)[:, None]
+    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)[..., :at]      # [1, Hq, F, at]
+    grouped = probs.unflatten(1, (k.shape[1], group))
+    return grouped.mean(dim=(2, 3)), grouped.amax(dim=(2, 3))
 
 
 def main() -> None:
@@ -82,11 +88,20 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 1024])
     parser.add_argument("--context", type=int, default=2500)
     parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--needed", type=float, default=0.1, help="attention share that makes an entry needed")
     parser.add_argument("--out", type=Path, default=Path("docs/results/eviction_inside_answer"))
+    parser.add_argument("--replot", action="store_true", help="only plot --out's JSON again")
     args = parser.parse_args()
+    if args.replot:
+        data = json.loads((args.out / "kept_vs_oracle.json").read_text())
+        args.delays, args.budgets = data["meta"]["delays"], data["meta"]["budgets"]
+        plot(data["summary"], args, args.out / "kept_vs_oracle.png")
+        return
     model, tokenizer, source = load_model(None, "cpu", "float32")
     essays = load_essays()
     recall: dict[str, list[torch.Tensor]] = {}     # "delay/budget/setting" -> per prompt [layers, Hkv]
+    needed_kept: dict[str, list[torch.Tensor]] = {}
+    digits_needed: dict[str, list[torch.Tensor]] = {}   # [kept and needed, needed] over (layer, head, digit)
     digits_kept: dict[str, list[list[float]]] = {}
     for seed in range(args.prompts):
         needle = vault_needle(seed)
@@ -96,58 +111,79 @@ def main() -> None:
                              do_sample=False)
         layers = capture_qkv(model, out[:, :-1])
         print(f"prompt {seed}: {len(ids)} tokens, answer {tokenizer.decode(out[0, len(ids):])!r}", flush=True)
+        weights = {delay: [oracle_weight(layer.q.float(), layer.k.float(), len(ids) + delay) for layer in layers]
+                   for delay in args.delays}
         for delay in args.delays:
             at = len(ids) + delay
             for budget in args.budgets:
-                for name, changes in {**SETTINGS, "oracle": None}.items():
+                for name, changes in {**SETTINGS, "oracle": None, "oracle_needed": None}.items():
                     setting = {**DEFAULT, **(changes or {})}
-                    per_layer, kept_digits = [], []
+                    per_layer, needed, kept_digits, digit_counts = [], [], [], torch.zeros(2)
                     for index, layer in enumerate(layers):
-                        weight = oracle_weight(layer.q.float(), layer.k.float(), at)
+                        weight, largest = weights[delay][index]
                         share = 1.5 - index / max(len(layers) - 1, 1) if setting["split"] == "layers" else 1.0
-                        ranked = weight if changes is None else scores(layer.q.float(), layer.k.float(), at, setting)
+                        ranked = {"oracle": weight, "oracle_needed": largest}.get(name)
+                        if ranked is None:
+                            ranked = scores(layer.q.float(), layer.k.float(), at, setting)
                         kept = kept_mask(ranked, round(budget * share), 0 if changes is None else setting["window"],
                                          setting["split"])
                         per_layer.append(((weight * kept).sum(-1) / weight.sum(-1))[0])
+                        wanted = largest >= args.needed
+                        needed.append(((kept & wanted).sum() / wanted.sum().clamp(min=1)).reshape(()))
                         kept_digits.append(kept[0][:, digits])
+                        wanted_digits = wanted[0][:, digits]
+                        digit_counts += torch.stack([(kept[0][:, digits] & wanted_digits).sum(),
+                                                     wanted_digits.sum()]).float()
                     key = f"{delay}/{budget}/{name}"
                     recall.setdefault(key, []).append(torch.stack(per_layer))
+                    needed_kept.setdefault(key, []).append(torch.stack(needed))
+                    digits_needed.setdefault(key, []).append(digit_counts)
                     digits_kept.setdefault(key, []).append(torch.stack(kept_digits).float().mean(dim=(0, 1)).tolist())
     summary = {}
     for key, values in recall.items():
         per_layer = torch.stack(values).mean(dim=0)          # [layers, Hkv], mean over prompts
         worst = per_layer.flatten().argsort()[:5]
+        needed = torch.stack(needed_kept[key]).mean(dim=0)   # [layers]
         summary[key] = {"recall": per_layer.mean().item(), "worst_layer_recall": per_layer.mean(-1).min().item(),
+                        "needed": needed.mean().item(), "needed_per_layer": needed.tolist(),
+                        "digits_needed_kept": (lambda c: (c[0] / c[1]).item())(torch.stack(digits_needed[key]).sum(0)),
+                        "digits_needed": int(torch.stack(digits_needed[key]).sum(0)[1]),
                         "worst_pairs": [(int(i) // per_layer.shape[1], int(i) % per_layer.shape[1],
                                          round(per_layer.flatten()[i].item(), 3)) for i in worst],
                         "per_layer": per_layer.mean(-1).tolist(),
                         "digits_kept": torch.tensor(digits_kept[key]).mean(dim=0).tolist()}
     for key, row in summary.items():
-        print(f"{key:24s} recall {row['recall']:.3f}  worst layer {row['worst_layer_recall']:.3f}  digits kept "
+        print(f"{key:24s} recall {row['recall']:.3f}  worst layer {row['worst_layer_recall']:.3f}  needed kept "
+              f"{row['needed']:.3f}  needed digits kept {row['digits_needed_kept']:.3f} of {row['digits_needed']}  "
+              f"digits kept "
               f"{[round(x, 2) for x in row['digits_kept']]}")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": source, "prompts": args.prompts, "context": args.context, "new_tokens": args.new_tokens,
-            "delays": args.delays, "budgets": args.budgets, "default": DEFAULT, "settings": SETTINGS}
+            "delays": args.delays, "budgets": args.budgets, "needed": args.needed, "default": DEFAULT,
+            "settings": SETTINGS}
     (args.out / "kept_vs_oracle.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     plot(summary, args, args.out / "kept_vs_oracle.png")
 
 
 def plot(summary: dict, args: argparse.Namespace, path: Path) -> None:
-    """Recall per layer, one panel per budget, at the middle delay: each setting and the oracle."""
+    """At the middle delay, per setting and budget: the share of needed digit reads kept (what the answer's copy
+    reads) beside the share of the answer's mean attention kept (which ranks the settings the other way)."""
     import matplotlib.pyplot as plt
 
     delay = args.delays[len(args.delays) // 2]
-    fig, axes = plt.subplots(1, len(args.budgets), figsize=(5 * len(args.budgets), 3.6), sharey=True, squeeze=False)
-    axes = axes[0]
-    for ax, budget in zip(axes, args.budgets, strict=True):
-        for name in [*SETTINGS, "oracle"]:
-            row = summary[f"{delay}/{budget}/{name}"]
-            ax.plot(row["per_layer"], label=f"{name} ({row['recall']:.2f})",
-                    linestyle="--" if name == "oracle" else "-")
-        ax.set_title(f"decode_budget {budget}, eviction {delay} tokens into the answer")
-        ax.set_xlabel("layer")
-    axes[0].set_ylabel("answer's attention on kept entries")
-    axes[-1].legend(fontsize=7)
+    names = [*SETTINGS, "oracle", "oracle_needed"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
+    width = 0.8 / len(args.budgets)
+    for ax, field, title in ((axes[0], "digits_needed_kept", "needed digit reads kept"),
+                             (axes[1], "recall", "answer's mean attention on kept entries")):
+        for i, budget in enumerate(args.budgets):
+            values = [summary[f"{delay}/{budget}/{name}"][field] for name in names]
+            ax.bar([x + i * width for x in range(len(names))], values, width, label=f"decode_budget {budget}")
+        ax.set_xticks([x + width * (len(args.budgets) - 1) / 2 for x in range(len(names))], names, rotation=45,
+                      ha="right", fontsize=8)
+        ax.set_title(f"{title}, eviction {delay} tokens into the answer", fontsize=9)
+    axes[0].set_ylabel("share")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

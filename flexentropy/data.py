@@ -130,12 +130,14 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 REPLY_MARK = "\u00a7reply\u00a7"
+"""A stand-in reply that `next_turn_ids` renders through the chat template to find where a reply ends."""
 
 
 def next_turn_ids(tokenizer: Any, question: str) -> list[int]:
     """Token ids that close the assistant's reply and ask ``question`` as the next user turn, generation prompt
     included: what follows a reply in a conversation (the chat template's text after the reply; without a template,
-    two newlines and ``question``). A reply that ended with the end-of-turn token is continued without it."""
+    two newlines and ``question``). They start with the template's end-of-turn token, so a reply that generated its
+    own is continued without it."""
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer(f"\n\n{question}", add_special_tokens=False)["input_ids"])
     turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": REPLY_MARK},

@@ -18,12 +18,14 @@ every forward, once: with ``model=`` the cache registers a forward pre-hook on t
 eagerly (unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
 transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces to
 nothing and the step is one graph); a loop over a cache built with ``num_layers=`` (no hook) calls it itself before
-each forward (`flexentropy.runtime.decoding.greedy_decode`). A cache serves one conversation: a forward of several
-tokens after decoding began is its next turn, which leaves the buffers for that forward (`StaticLatentLayer.
-leave_static`: the dynamic path appends it) and re-enters them at the next step; a new prompt needs a new cache, or
-``reset()``. Decisions are therefore taken before the step's queries are handed
-over (transformers' attention order: ``update`` before the queries), so for an attention that hands its queries over
-before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with `LatentKVCache`.
+each forward (`flexentropy.runtime.decoding.greedy_decode`). Decisions are therefore taken before the step's queries
+are handed over (transformers' attention order: ``update`` before the queries), so for an attention that hands its
+queries over before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with
+`LatentKVCache`.
+
+A cache serves one conversation. A forward of several tokens after decoding began is its next turn: the layers leave
+their buffers for that forward (`StaticLatentLayer.leave_static`; the dynamic path appends it) and the next step
+re-enters them. A new prompt needs a new cache, or ``reset()``.
 
 Under ``torch.compile`` the phase-1 steps run their cache work eagerly (excluded from tracing) and return fixed-shape
 placeholders, and the cache's size queries return constants, so one compiled decode graph per phase serves every

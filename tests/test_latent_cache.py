@@ -174,6 +174,7 @@ def _schedules(draw) -> dict:
         batch=draw(st.integers(1, 2)), kv_heads=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2, 3, 4])),
         dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)), steps=draw(st.integers(1, 25)),
         hand_over=draw(st.sampled_from(["before", "after"])), seed=draw(st.integers(0, 2**16)),
+        turn=draw(st.integers(1, 25)), turn_length=draw(st.integers(2, 5)),
         config=EntropyConfig(
             decode_budget=budget, decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3, 5])), decode_score=draw(st.sampled_from(["softmax", "raw"])),
@@ -186,19 +187,23 @@ def _schedules(draw) -> dict:
 @given(case=_schedules())
 def test_cache_matches_oracle(case):
     """Kept entries, compressed keys/values and positions equal the dense twin's at every step (both score kinds,
-    pooling on and off, GQA 1-4, batch rows, both hand-over orders, recompression)."""
+    pooling on and off, GQA 1-4, batch rows, both hand-over orders, recompression, and a later turn: one step of
+    several tokens after decoding began)."""
     config, hand_over = case["config"], case["hand_over"]
     batch, kv_heads, dim = case["batch"], case["kv_heads"], case["dim"]
     gen = torch.Generator().manual_seed(case["seed"])
     cache, oracle = LatentKVCache(config), ref.LatentCacheOracle(config)
+    seen = 0
     for step in range(case["steps"] + 1):
-        q, k, v = _token(gen, batch, kv_heads * case["group"], kv_heads, dim, case["prompt"] if step == 0 else 1)
+        length = case["prompt"] if step == 0 else case["turn_length"] if step == case["turn"] else 1
+        q, k, v = _token(gen, batch, kv_heads * case["group"], kv_heads, dim, length)
+        seen += length
         mask_sizes = cache.get_mask_sizes(k.shape[2], 0)
         keys, values, _ = _step(cache, q, k, v, hand_over=hand_over)
         want_keys, want_values = oracle.step(q, k, v, hand_over)
         assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
         assert torch.equal(cache.kept_positions(0), oracle.positions)
-        assert cache.get_seq_length() == oracle.seen == case["prompt"] + step
+        assert cache.get_seq_length() == oracle.seen == seen
         assert mask_sizes == (keys.shape[2], cache.get_seq_length() - keys.shape[2])
     assert cache.layers[0].evictions == len(oracle.evictions)
     event(f"evictions: {min(len(oracle.evictions), 2)}{'+' if len(oracle.evictions) >= 2 else ''}")

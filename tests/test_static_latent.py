@@ -212,7 +212,8 @@ def multi_layer_schedules(draw: st.DrawFn) -> dict:
     return dict(
         layers=draw(st.integers(1, 3)), batch=draw(st.integers(1, 2)), kv_heads=draw(st.integers(1, 2)),
         group=draw(st.sampled_from([1, 2, 4])), dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)),
-        steps=draw(st.integers(1, 30)), seed=draw(st.integers(0, 2**16)),
+        steps=draw(st.integers(1, 30)), seed=draw(st.integers(0, 2**16)), turn=draw(st.integers(1, 30)),
+        turn_length=draw(st.integers(2, 5)),
         config=fe.EntropyConfig(
             decode_budget=draw(st.integers(window, 16)), decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3])), decode_span=draw(st.sampled_from([0, 4])),
@@ -227,15 +228,16 @@ def multi_layer_schedules(draw: st.DrawFn) -> dict:
 def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
     """Each layer of a `StaticLatentKVCache`, with its recompressions decided for all layers at once, holds at every
     step the entries and positions of `reference.cache.LatentCacheOracle` run on that layer alone (the decision
-    before the step's queries are handed over: ``hand_over="after"``)."""
+    before the step's queries are handed over: ``hand_over="after"``), also across a later turn (one forward of
+    several tokens after decoding began, which leaves the buffers and re-enters them at the next step)."""
     config, batch, kv_heads, dim = case["config"], case["batch"], case["kv_heads"], case["dim"]
     gen = torch.Generator().manual_seed(case["seed"])
     cache = StaticLatentKVCache(config, num_layers=case["layers"])
     oracles = [reference.LatentCacheOracle(config) for _ in range(case["layers"])]
     for step in range(case["steps"] + 1):
-        length = case["prompt"] if step == 0 else 1
+        length = case["prompt"] if step == 0 else case["turn_length"] if step == case["turn"] else 1
         if step:
-            cache.prepare(1)
+            cache.prepare(length)
         for layer_idx, oracle in enumerate(oracles):
             q, k, v = (torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64)
                        for heads in (kv_heads * case["group"], kv_heads, kv_heads))

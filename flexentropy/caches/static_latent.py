@@ -24,7 +24,7 @@ queries over before ``update`` (`EntropyAttention`) the window of a decision end
 `LatentKVCache`.
 
 A cache serves one conversation. A forward of several tokens after decoding began is its next turn: the layers leave
-their buffers for that forward (`StaticLatentLayer.leave_static`; the dynamic path appends it) and the next step
+their buffers for that forward (`StaticLatentLayer.begin_turn`; the dynamic path appends it) and the next step
 re-enters them. A new prompt needs a new cache, or ``reset()``.
 
 Under ``torch.compile`` the phase-1 steps run their cache work eagerly (excluded from tracing) and return fixed-shape
@@ -160,12 +160,17 @@ class StaticLatentLayer(PolicyLayer):
         self._view(slot + q_len)
         return slot
 
-    def leave_static(self) -> None:
-        """Leave the buffers before a forward of several tokens (a later turn): the held entries and the query window
-        are copied out, the forward appends to them on the dynamic path, and the next one-token step decides and
-        re-enters the buffers (`begin_step`), at the same addresses."""
-        self.keys, self.values, self.window = self.keys.clone(), self.values.clone(), self.window.clone()
-        self.static = self.flash = False
+    def begin_turn(self, q_len: int) -> None:
+        """Eager part of a later turn's forward (``q_len`` tokens after decoding began): leave the buffers (the held
+        entries and the query window are copied out; the forward appends to them on the dynamic path, and the next
+        one-token step re-enters the buffers at the same addresses, `begin_step`), and apply a due decision now,
+        before the turn's queries are handed over, as for every other step."""
+        if self.static:
+            self.keys, self.values, self.window = self.keys.clone(), self.values.clone(), self.window.clone()
+            self.static = self.flash = False
+        target = self.policy.before_append(self, q_len)
+        if target is not None:
+            self._decide(target, q_len)
 
     # -- phase 2: the captured step -----------------------------------------------------------------------------
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,10 +320,9 @@ class StaticLatentKVCache(LatentKVCache):
         if len(layers) != len(self.layers):
             raise RuntimeError(f"{type(self).__name__}: layers disagree on the decode phase; every layer must see "
                                f"every forward")
-        if q_len != 1:   # a later turn of the conversation: the dynamic path appends it (`leave_static`)
+        if q_len != 1:   # a later turn of the conversation: the dynamic path appends it (`begin_turn`)
             for layer in layers:
-                if layer.static:
-                    layer.leave_static()
+                layer.begin_turn(q_len)
             return
         targets = [layer.policy.before_append(layer, q_len) for layer in layers]
         if targets[0] is not None and len(set(targets)) == 1 and stackable(layers):

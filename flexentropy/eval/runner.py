@@ -43,7 +43,7 @@ from flexentropy.eval.resolve import (
 )
 from flexentropy.eval.tasks import PLACEMENTS, TASKS, Sample, Turn, make_sample, sample_ids
 from flexentropy.runtime import loading as runtime_loading
-from flexentropy.runtime.generation import cache_bytes, generate_batch_timed, warm_up
+from flexentropy.runtime.generation import cache_bytes, eos_ids, generate_batch_timed, warm_up
 
 EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, coverage=0.8, dense_prefix=256,
                             dense_layers=(0,))
@@ -383,8 +383,7 @@ def later_turns(model: Any, tokenizer: Any, conversation: list[int], followups: 
     it (``hits``)."""
     import torch
 
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    eos = eos_ids(model)
     turns = []
     for number, turn in enumerate(followups, start=2):
         if conversation[-1] in eos:   # the next turn's ids close the reply themselves

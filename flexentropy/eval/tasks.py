@@ -394,8 +394,7 @@ def code_recall(draw: Draw) -> Sample:
     to ``length``; the function asked is the one nearest a drawn depth whose whole source is in the context and whose
     name is defined once there. The reply starts with its ``def`` line (the answer prefix, so that the model copies
     rather than recalls); the scored lines of its body (`code_lines`, docstring left out: a model may summarise it)
-    are the answers; ``max_new_tokens`` covers its
-    tokens."""
+    are the answers; ``max_new_tokens`` covers its tokens."""
     files = draw.rng.sample(python_sources(), len(python_sources()))
     depth = draw.rng.uniform(0.05, 0.95)
     prefix = "```python\n"

@@ -18,6 +18,12 @@ def cache_bytes(cache: Any) -> int:
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
+def eos_ids(model: Any) -> set[int]:
+    """The end-of-sequence token ids of ``model.generation_config`` (none, one or several)."""
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
 def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) -> float:
     """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds.
     ``attention_mask`` (``[B, N]``, 0 for left padding) is cut like ``prompt``.
@@ -98,8 +104,7 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
         for handle in handles:
             handle.remove()
         bar.close()
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    eos = eos_ids(model)
     rows = []
     for row in out[:, prompt.shape[1]:].tolist():
         ends = [i for i, token in enumerate(row) if token in eos]

@@ -1,9 +1,10 @@
-"""Compilation guard shared by the compiled regions of flexentropy."""
+"""Compilation helpers shared by flexentropy's compiled regions: the recompile guard, and `eager`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -38,3 +39,9 @@ def no_silent_fallback() -> Iterator[None]:
             "which materialises N x N attention scores. Raise flexentropy._compile.RECOMPILE_LIMIT (or "
             "torch._dynamo.config.recompile_limit), or keep dtypes/devices/head counts fixed across calls."
         ) from err
+
+
+@torch.compiler.disable
+def eager(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` outside any compiled region (dynamo breaks the graph here instead of tracing it)."""
+    return fn(*args)

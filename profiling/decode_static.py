@@ -474,8 +474,8 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
 def real_model_prompt(path: str, n: int, device: torch.device):
     """``(model, ids [1, ~n])``: a real model loaded offline (``--check-model``, bf16) and a prompt of about ``n``
     tokens of Paul Graham's essays asking for a summary, so that greedy tokens follow the model's own margins."""
-    from flexentropy.data import load_essays, prompt_ids
-    from flexentropy.runtime.loading import load_model
+    from bench.data import load_essays, prompt_ids
+    from bench.loading import load_model
 
     model, tokenizer, _ = load_model(path, device=str(device), dtype="bfloat16")
     ids = prompt_ids(tokenizer, load_essays(), "Summarize the text above in a few sentences.", context_tokens=n)
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(StaticLatentKVCache.drop_spare_buffers), as before they were kept: the cost of new addresses")
     p.add_argument("--check-model", default=None,
                    help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
-                        "an alias of flexentropy.runtime.models) with an essay prompt of --check-prompt tokens; their "
+                        "an alias of bench.models) with an essay prompt of --check-prompt tokens; their "
                         "variants get the model type as a suffix")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")

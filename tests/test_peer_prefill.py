@@ -18,9 +18,9 @@ from conftest import make_qkv, prefill_case
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from bench.eval import resolve
 from flexentropy import EntropyConfig
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.eval import resolve
 from flexentropy.policies import FlexPrefill, VerticalSlash, XAttention, make_prefill
 from flexentropy.policies.prefill.vertical_slash import token_density
 from flexentropy.prefill.plan import causal_blocks
@@ -266,7 +266,7 @@ def test_make_prefill_and_the_evaluation_budget():
 
 
 def test_cli_accepts_the_peers():
-    from flexentropy.cli import build_parser
+    from bench.needle_demo import build_parser
 
     for name in PEERS:
         assert build_parser().parse_args(["--prefill", name]).prefill == name

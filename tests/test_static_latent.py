@@ -17,9 +17,9 @@ from transformers.generation import CompileConfig
 
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.decoding import compile_step, greedy_decode
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.attention import flash_decode
-from flexentropy.runtime.decoding import compile_step, greedy_decode
 from reference import cache as reference
 
 VOCAB = 256

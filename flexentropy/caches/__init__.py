@@ -6,7 +6,6 @@
 - :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction
   (captured decoding);
 - :mod:`.factory`: `make_cache`, a cache by policy name;
-- :mod:`.signals`: forward hooks handing hidden states and logits to signal policies (InfoKV);
 - :mod:`.keywords`: the cache's keyword across transformers versions.
 """
 

@@ -15,6 +15,9 @@ the padded shape (a reader that does not know the layout fails loudly), and atte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -34,6 +37,13 @@ def nan_entries(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[t
     nan = float("nan")
     return (keys.new_full((1, 1, 1, 1), nan).expand(*keys.shape[:2], count, keys.shape[-1]),
             values.new_full((1, 1, 1, 1), nan).expand(*values.shape[:2], count, values.shape[-1]))
+
+
+DECISION_STATE = {"is_initialized": "is_initialized", "keys": "keys", "values": "values", "window": "window",
+                  "kept": "_kept", "padding": "padding", "stats": "stats", "seen": "seen", "observed": "observed",
+                  "prompt_length": "prompt_length", "previous_generated": "previous_generated",
+                  "evictions": "evictions", "evicted_at": "_evicted_at"}
+"""`PolicyLayer.decision_state`'s names -> the layer's attributes holding them."""
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -204,15 +214,15 @@ class PolicyLayer(CacheLayerMixin):
             if policy.needs_signals and self.signals_until < self.seen:
                 raise RuntimeError(
                     f"{self.owner} layer {self.layer_idx} ({policy.name}) needs the model's hidden states and "
-                    f"predictive distribution, which were not handed over: build the cache with the model "
-                    f"(make_cache(name, model=model)), which attaches forward hooks"
+                    f"predictive distribution, which were not handed over: switch the model with fe.enable(model), "
+                    f"which installs the forward hooks that hand them over"
                 )
         if self.sliding_window is not None:
             self._keep_last(self.sliding_window - 1)
         else:
             target = policy.before_append(self, q_len)
             if target is not None:
-                self._decide(target, q_len)
+                self.decide(target, q_len)
         self.previous_generated = self.generated if self.prompt_length is not None else None
         if self.prompt_length is None:
             self.prompt_length = q_len
@@ -264,10 +274,12 @@ class PolicyLayer(CacheLayerMixin):
             return
         target = policy.when_settled(self)
         if target is not None:
-            self._decide(target, 0)
+            self.decide(target, 0)
 
-    def _decide(self, target: int, incoming: int) -> None:
-        """Keep ``target`` entries per KV head (score -> keep -> gather), or per-head counts for ragged policies."""
+    def decide(self, target: int, incoming: int) -> None:
+        """Keep ``target`` entries per KV head (score -> keep -> gather), or per-head counts for ragged policies,
+        before ``incoming`` tokens are appended (the policy's decision points call it; so does a cache deciding for
+        several layers at once on a `stacked` layer)."""
         policy = self.policy
         if policy.query_window and self.window is None:
             raise RuntimeError(
@@ -293,6 +305,48 @@ class PolicyLayer(CacheLayerMixin):
             self.stats = {name: stat.gather(-1, indices) for name, stat in self.stats.items()}
         self._evicted_at = self.seen
         self.evictions += 1
+
+    def decision_state(self) -> dict[str, Any]:
+        """What a decision reads and writes (`DECISION_STATE`): the entries, query window, padding, statistics, the
+        positions of the kept entries and the counters, as references (no copy)."""
+        return {name: getattr(self, attr) for name, attr in DECISION_STATE.items()}
+
+    def load_decision_state(self, state: dict[str, Any]) -> None:
+        """Set the named parts of `decision_state` (any subset), e.g. the kept positions and counters that a
+        `stacked` layer decided for this one."""
+        unknown = set(state) - set(DECISION_STATE)
+        if unknown:
+            raise ValueError(f"unknown decision state {sorted(unknown)}; expected names of {sorted(DECISION_STATE)}")
+        for name, value in state.items():
+            setattr(self, DECISION_STATE[name], value)
+
+    @staticmethod
+    def stacked(layers: Sequence[PolicyLayer]) -> PolicyLayer:
+        """One `PolicyLayer` holding ``layers``' states stacked along the batch dim, layer-major (``[L * B, ...]``):
+        a decision on it (`decide`) is every layer's own decision for a per-(row, KV head) rule, in one set of
+        kernel launches. The layers must agree on counters, shapes, dtype and device; `split_decision` gives each
+        its part back."""
+        states = [layer.decision_state() for layer in layers]
+        first = states[0]
+
+        def stack(name: str) -> torch.Tensor | None:
+            return None if first[name] is None else torch.stack([s[name] for s in states]).flatten(0, 1)
+
+        merged = {**first, **{name: stack(name) for name in ("keys", "values", "window", "kept")},
+                  "padding": None if first["padding"] is None else torch.cat([s["padding"] for s in states]),
+                  "stats": {name: torch.stack([s["stats"][name] for s in states]).flatten(0, 1)
+                            for name in first["stats"]}}
+        view = PolicyLayer(layers[0].policy, layers[0].layer_idx, layers[0].owner, layers[0].num_layers)
+        view.load_decision_state(merged)
+        return view
+
+    def split_decision(self, count: int) -> list[dict[str, Any]]:
+        """The decision of a `stacked` layer of ``count`` layers, per layer: ``kept``, ``stats`` and the counters,
+        for `load_decision_state` (the entries themselves: `keys`/`values` ``.unflatten(0, (count, B))``)."""
+        kept = self._kept.unflatten(0, (count, -1))
+        stats = {name: stat.unflatten(0, (count, -1)) for name, stat in self.stats.items()}
+        return [{"kept": kept[index], "stats": {name: stat[index] for name, stat in stats.items()},
+                 "evicted_at": self._evicted_at, "evictions": self.evictions} for index in range(count)]
 
     def _keep_last(self, count: int) -> None:
         """Keep the last ``count`` stored entries (a sliding-window layer, before it appends: as HF's

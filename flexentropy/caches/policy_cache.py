@@ -4,7 +4,7 @@ A `flexentropy.policies.CachePolicy` is the rule; `PolicyLayer` the per-layer st
 ``Cache`` around them: layer creation, shape checks across layers, and the hand-over of what ``update`` does not
 bring: post-RoPE queries (``observe_queries``), left padding (``observe_padding``), sliding windows
 (``observe_sliding``) and, for signal policies, hidden states and the predictive distribution (``observe_hidden`` and
-``finish_forward``, called by the hooks of `flexentropy.caches.signals.attach_signals`).
+``finish_forward``, called by the hooks that `flexentropy.enable` installs, `flexentropy.integrations.hooks`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from transformers.cache_utils import Cache
 
 from flexentropy._checks import check_int, check_layer_idx
 from flexentropy.caches.layer import PolicyLayer
-from flexentropy.caches.signals import attach_signals
 from flexentropy.policies.base import CachePolicy
 
 
@@ -33,7 +32,7 @@ class PolicyCache(Cache):
 
     Args:
         policy: the rule.
-        model: the HF model served (its layer count; signal policies attach their hooks to it).
+        model: the HF model served (its layer count; the hooks that hand signals over come with `flexentropy.enable`).
         num_layers: layer count when no model is given (PyramidKV needs it).
     """
 
@@ -52,8 +51,6 @@ class PolicyCache(Cache):
         self.num_layers = num_layers
         self._dims: dict[str, tuple[int, str]] = {}  # name -> (size, the call that fixed it)
         self._hidden: dict[int, torch.Tensor] = {}
-        if model is not None and policy.needs_signals:
-            attach_signals(model)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r}, layers={len(self.layers)})"
@@ -115,7 +112,7 @@ class PolicyCache(Cache):
 
     @property
     def wants_signals(self) -> bool:
-        """Whether the policy needs ``observe_hidden``/``finish_forward`` (the hooks of `attach_signals`)."""
+        """Whether the policy needs ``observe_hidden``/``finish_forward`` (decoder hooks of `flexentropy.enable`)."""
         return self.policy.needs_signals
 
     def observe_hidden(self, layer_idx: int, hidden_states: torch.Tensor) -> None:

@@ -14,11 +14,12 @@ Two phases per layer (design.md §2):
 
 Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
 *before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before
-every forward, once: with ``model=`` the cache registers a forward pre-hook on the model's decoder that calls it
-eagerly (unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
+every forward, once. On a model switched by `flexentropy.enable`, a forward pre-hook on the decoder calls it eagerly
+(`before_forward`, unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
 transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces to
-nothing and the step is one graph); a loop over a cache built with ``num_layers=`` (no hook) calls it itself before
-each forward (`flexentropy.runtime.decoding.greedy_decode`). Decisions are therefore taken before the step's queries
+nothing and the step is one graph); both are installed by `flexentropy.integrations.hooks`. A loop over a cache
+without such a hook (own modules, ``num_layers=``) calls it itself before each forward
+(`flexentropy.decoding.greedy_decode`). Decisions are therefore taken before the step's queries
 are handed over (transformers' attention order: ``update`` before the queries), so for an attention that hands its
 queries over before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with
 `LatentKVCache`.
@@ -38,27 +39,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from flexentropy.caches.keywords import cache_argument
+from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.layer import PolicyLayer, _nbytes, nan_entries
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.attention import decode_attention, flash_decode, flash_decode_usable, grouped_attention
-
-_HOOK_ATTR = "_flexentropy_static_hook"
-_CALL_ATTR = "_flexentropy_phase_call"
-
-
-@torch.compiler.disable
-def _eager(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` outside any compiled region (dynamo breaks the graph here instead of tracing it)."""
-    return fn(*args)
 
 
 class StaticLatentLayer(PolicyLayer):
@@ -143,7 +134,7 @@ class StaticLatentLayer(PolicyLayer):
         """Eager part of a static step: apply the decision ``target`` (`policy.before_append`, None: none) and switch
         to the buffers at the first, then account for the step's token; returns the slot it is written to."""
         if target is not None:
-            self._decide(target, q_len)
+            self.decide(target, q_len)
         if not self.static:
             self._go_static()
         elif target is not None:
@@ -170,7 +161,7 @@ class StaticLatentLayer(PolicyLayer):
             self.static = self.flash = False
         target = self.policy.before_append(self, q_len)
         if target is not None:
-            self._decide(target, q_len)
+            self.decide(target, q_len)
 
     # -- phase 2: the captured step -----------------------------------------------------------------------------
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,13 +261,11 @@ class StaticLatentKVCache(LatentKVCache):
         for layer in self.layers:
             layer.kernel = self.config.decode_kernel
         self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
-        self._hooked = model is not None   # the model's pre-hook runs `prepare` unless it already ran for the step
+        self._hooked = False        # a pre-hook calls `before_forward` (set at its first call, the prompt's forward)
         self._armed = False         # `prepare` ran for the coming forward, which the hook must not prepare again
         # a dropped cache leaves its buffers to the next one of the same shapes (`static_buffer`)
         weakref.finalize(self, spare_buffers, [(layer.layer_idx, layer.buffers) for layer in self.layers]
                          + [(None, self.counters)])
-        if model is not None:
-            attach_prepare_hook(model)
 
     def _place_counters(self, device: torch.device, batch: int) -> None:
         """(Re)allocate the shared counters `slot`, `position`, `lengths` on ``device`` for ``batch`` rows."""
@@ -342,9 +331,16 @@ class StaticLatentKVCache(LatentKVCache):
         self._armed = self._hooked
 
     def before_forward(self, q_len: int) -> None:
-        """What the model's pre-hook runs before each forward: `prepare`, unless it already ran for this step."""
+        """What a pre-hook on the model's decoder runs before each forward (`flexentropy.enable` installs it):
+        `prepare`, unless it already ran for this step."""
+        self._hooked = True
         self.prepare(q_len)
         self._armed = False
+
+    @property
+    def prepared_by_caller(self) -> bool:
+        """Whether the forward running now was prepared by its caller (`prepared`): a pre-hook then does nothing."""
+        return self._prepared
 
     @contextlib.contextmanager
     def prepared(self, q_len: int) -> Iterator[None]:
@@ -369,7 +365,7 @@ class StaticLatentKVCache(LatentKVCache):
         if layer.static:
             layer.shift_window(query_states)
         elif torch.compiler.is_compiling():
-            _eager(PolicyCache.observe_queries, self, query_states, layer_idx)
+            eager(PolicyCache.observe_queries, self, query_states, layer_idx)
         else:
             super().observe_queries(query_states, layer_idx)
 
@@ -379,7 +375,7 @@ class StaticLatentKVCache(LatentKVCache):
         if layer.static:
             return layer.write(key_states, value_states)
         if torch.compiler.is_compiling():
-            _eager(PolicyCache.update, self, key_states, value_states, layer_idx)
+            eager(PolicyCache.update, self, key_states, value_states, layer_idx)
             return layer.placeholder(key_states, value_states)
         return super().update(key_states, value_states, layer_idx)
 
@@ -391,7 +387,7 @@ class StaticLatentKVCache(LatentKVCache):
         if layer.static:
             return layer.attend_static(query, scale)
         if torch.compiler.is_compiling():
-            return _eager(layer.attend_own_mask, query, scale)
+            return eager(layer.attend_own_mask, query, scale)
         return layer.attend_own_mask(query, scale)
 
     def stored_length(self, layer_idx: int = 0) -> int:
@@ -471,9 +467,10 @@ def stackable(layers: Sequence[StaticLatentLayer]) -> bool:
     """Whether ``layers`` can take one decision together (`decide_together`): static, rectangular, the same counts,
     shapes, dtypes and device (layers on several GPUs, or of different head counts, decide one by one)."""
     def signature(layer: StaticLatentLayer) -> tuple:
-        return (layer.seen, layer.observed, layer._evicted_at, layer.evictions, layer._kept is None,
-                layer.padding is None, tuple(layer.stats), layer.keys.shape, layer.keys.dtype, layer.keys.device,
-                layer.values.shape, layer.window.shape, layer.window.dtype)
+        state = layer.decision_state()
+        return (*(state[name] for name in ("seen", "observed", "evicted_at", "evictions")), state["kept"] is None,
+                state["padding"] is None, tuple(state["stats"]), layer.keys.shape, layer.keys.dtype,
+                layer.keys.device, layer.values.shape, layer.window.shape, layer.window.dtype)
 
     first = signature(layers[0])
     return (all(layer.static and layer.ragged is None for layer in layers)
@@ -482,91 +479,20 @@ def stackable(layers: Sequence[StaticLatentLayer]) -> bool:
 
 def decide_together(layers: Sequence[StaticLatentLayer], target: int, incoming: int) -> None:
     """Apply one decision (keep ``target`` entries per KV head) to every layer of ``layers`` (`stackable`) at once:
-    their states stacked along the batch dim, layer-major, into one `PolicyLayer`, decided by the same
-    score -> keep -> gather (`PolicyLayer._decide`), then stored back (`store_entries`).
+    on their `PolicyLayer.stacked` layer (the same score -> keep -> gather, `PolicyLayer.decide`), each layer's part
+    then loaded back (`PolicyLayer.split_decision`) and its entries stored (`store_entries`).
 
     The latent policy's rule is per (batch row, KV head), so each layer keeps what it would keep alone: the work is
-    the same, in one set of kernel launches instead of one per layer. On an H200 (Llama-3.1-8B shape, 32 layers, at
-    128k) a recompression took about 5.2 ms of GPU time one layer at a time, in small kernels, and about 1.5 ms at
-    once, against a 5.3 ms decode step.
+    the same, in one set of kernel launches instead of one per layer (docs/performance.md, "Recompression").
     """
-    first, count, batch = layers[0], len(layers), layers[0].keys.shape[0]
-
-    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(tensors).flatten(0, 1)
-
-    view = PolicyLayer(first.policy, first.layer_idx, first.owner, first.num_layers)
-    view.is_initialized = True
-    view.keys, view.values = stack([layer.keys for layer in layers]), stack([layer.values for layer in layers])
-    view.window = stack([layer.window for layer in layers])
-    view._kept = None if first._kept is None else stack([layer._kept for layer in layers])
-    view.padding = None if first.padding is None else torch.cat([layer.padding for layer in layers])
-    view.stats = {name: stack([layer.stats[name] for layer in layers]) for name in first.stats}
-    for name in ("seen", "observed", "prompt_length", "previous_generated", "evictions", "_evicted_at"):
-        setattr(view, name, getattr(first, name))
-    view._decide(target, incoming)
+    count = len(layers)
+    view = PolicyLayer.stacked(layers)
+    view.decide(target, incoming)
+    for layer, part in zip(layers, view.split_decision(count), strict=True):
+        layer.load_decision_state(part)
 
     def split(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unflatten(0, (count, batch))
+        return tensor.unflatten(0, (count, -1))
 
-    kept = split(view._kept)
-    stats = {name: split(stat) for name, stat in view.stats.items()}
-    for index, layer in enumerate(layers):
-        layer._kept, layer._evicted_at, layer.evictions = kept[index], view._evicted_at, view.evictions
-        layer.stats = {name: stat[index] for name, stat in stats.items()}
     real = view.real_entries()
     store_entries(layers, split(view.keys), split(view.values), None if real is None else split(real))
-
-
-def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
-    """Tokens in a decoder call's input (``input_ids`` or ``inputs_embeds``, keyword or first positional)."""
-    tokens = kwargs.get("input_ids", args[0] if args else None)
-    return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
-
-
-def attach_prepare_hook(model: nn.Module) -> None:
-    """Register, once, a forward pre-hook on ``model``'s decoder that calls ``cache.prepare(q_len)`` for a
-    `StaticLatentKVCache` passed to it, outside any compiled region (a graph break in a traced forward), unless the
-    caller already did (`StaticLatentKVCache.prepared`: then the hook traces to nothing)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if getattr(decoder, _HOOK_ATTR, None) is not None:
-        return
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        cache = cache_argument(kwargs)
-        if isinstance(cache, StaticLatentKVCache) and not cache._prepared:
-            _eager(cache.before_forward, _query_length(args, kwargs))
-
-    setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(hook, with_kwargs=True))
-    route_phase_one_eagerly(model)
-
-
-def route_phase_one_eagerly(model: nn.Module) -> None:
-    """Make ``model.get_compiled_call`` (what transformers' ``generate`` decodes with) run the steps of a
-    `StaticLatentKVCache` that is not yet static (and a later turn's forward of several tokens) eagerly, and only the
-    static one-token steps compiled.
-
-    Traced, a phase-1 step breaks its graph in every layer (its cache work is excluded from tracing), and the frames
-    of those breaks are then entered on every later step too: measured on an H200, a captured step took 24.9 ms
-    inside ``generate`` against 7.1 ms in a plain loop that runs phase 1 eagerly. Set once per model.
-    """
-    if getattr(model, _CALL_ATTR, False) or not hasattr(model, "get_compiled_call"):
-        return
-    compiled_call = model.get_compiled_call
-
-    def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
-        compiled = compiled_call(compile_config)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            cache = cache_argument(kwargs)
-            if not isinstance(cache, StaticLatentKVCache):
-                return compiled(*args, **kwargs)
-            if not cache.is_static or _query_length(args, kwargs) != 1:
-                return model(*args, **kwargs)
-            with cache.prepared(_query_length(args, kwargs)):
-                return compiled(*args, **kwargs)
-
-        return call
-
-    model.get_compiled_call = get_compiled_call
-    setattr(model, _CALL_ATTR, True)

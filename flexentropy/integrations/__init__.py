@@ -5,11 +5,13 @@ from flexentropy.integrations.hf import (
     ATTN_IMPLEMENTATION,
     SUPPORTED_MODEL_TYPES,
     cache_keyword,
+    disable,
     enable,
+    enabled,
     local_heads,
     prefill_density,
     register,
 )
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "enable", "local_heads", "prefill_density",
-           "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "disable", "enable", "enabled",
+           "local_heads", "prefill_density", "register"]

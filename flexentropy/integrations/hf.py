@@ -1,15 +1,16 @@
 """transformers integration: the ``"flexentropy"`` attention implementation and :func:`enable`.
 
-Registered through transformers' extension points (nothing is patched): ``AttentionInterface["flexentropy"]`` =
-:func:`attention_forward`, and ``AttentionMaskInterface["flexentropy"]`` = :func:`logical_mask`, HF's SDPA mask
-indexed by *logical* key position, so that it stays right after an eviction.
+Registered through transformers' extension points: ``AttentionInterface["flexentropy"]`` = :func:`attention_forward`,
+and ``AttentionMaskInterface["flexentropy"]`` = :func:`logical_mask`, HF's SDPA mask indexed by *logical* key
+position, so that it stays right after an eviction. The model itself gets hooks (`flexentropy.integrations.hooks`),
+which :func:`disable` (or leaving ``with enabled(model): ...``) removes.
 
 How the pieces reach :func:`attention_forward`: the layer index is the module's ``layer_idx``; the `EntropyConfig`
 and the prefill policy live on ``model.config.flexentropy`` (a JSON-safe dict: ``save_pretrained`` keeps it), parsed
 once per module into a `LayerState`; the cache argument (``cache`` from transformers 5.24, ``past_key_values``
 before), which HF does not pass on to attention functions, is copied into ``flexentropy_cache`` by a forward pre-hook
-that :func:`enable` registers. A flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs
-(the hand-over of design.md §3.2).
+that :func:`enable` registers (`hooks.hand_over_cache`). A flexentropy `PolicyCache` gets the queries, padding and
+sliding windows it needs (the hand-over of design.md §3.2).
 
 What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
 ``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
@@ -26,9 +27,10 @@ its local KV heads; flexentropy adds no communication. `local_heads` says which 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -40,9 +42,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from flexentropy.caches.keywords import cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.config import EntropyConfig, check_config
+from flexentropy.integrations import hooks
+from flexentropy.integrations.hooks import CACHE_KWARG, real_tokens
 from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 from flexentropy.prefill.kernel import COMPILED_DTYPES
@@ -62,11 +65,6 @@ CONFIG_ATTR = "flexentropy"
 
 STATE_ATTR = "flexentropy_state"
 """Attribute of each attention module holding its parsed `LayerState`."""
-
-CACHE_KWARG = "flexentropy_cache"
-"""Keyword under which the pre-hook hands the module's cache to :func:`attention_forward`."""
-
-_HOOK_ATTR = "_flexentropy_hook"
 
 KNOBS_KEY = "prefill_knobs"
 """Key of ``model.config.flexentropy`` holding the prefill policy's own knobs (when set)."""
@@ -246,9 +244,33 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
         setattr(module, STATE_ATTR, LayerState(config, prefill, knobs, keep_plans=keep_plans))
-        if getattr(module, _HOOK_ATTR, None) is None:
-            setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_hand_over_cache, with_kwargs=True))
+    hooks.install(model, modules)
     return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hooks`), its
+    attention back to SDPA, its layers' settings and ``model.config.flexentropy`` dropped. A model that was not
+    enabled is returned unchanged."""
+    if not hooks.remove(model):
+        return model
+    for module in attention_modules(model):
+        vars(module).pop(STATE_ATTR, None)
+    if hasattr(model.config, CONFIG_ATTR):
+        delattr(model.config, CONFIG_ATTR)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@contextlib.contextmanager
+def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
+            keep_plans: bool = True) -> Iterator[PreTrainedModel]:
+    """``with fe.enabled(model, cfg): ...``: `enable` on entry, `disable` on exit (arguments as `enable`)."""
+    enable(model, config, prefill=prefill, keep_plans=keep_plans)
+    try:
+        yield model
+    finally:
+        disable(model)
 
 
 def own_config(model: PreTrainedModel) -> None:
@@ -332,26 +354,6 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def _real_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
-    padding."""
-    return mask[:, 0].diagonal(dim1=-2, dim2=-1)
-
-
-def _hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook: pass the module's cache (``cache`` or ``past_key_values``) on as ``flexentropy_cache`` (see
-    module doc); before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
-    ``update``) and, for a sliding-window layer, its window."""
-    cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
-    if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
-                and mask.shape[-2] == mask.shape[-1]:
-            cache.observe_padding(_real_tokens(mask), module.layer_idx)
-        if getattr(module, "sliding_window", None):
-            cache.observe_sliding(int(module.sliding_window), module.layer_idx)
-    return args, {**kwargs, CACHE_KWARG: cache}
-
-
 # --------------------------------------------------------------------------------------------------------------
 # mask
 
@@ -433,7 +435,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
                         f"got {mask.dtype}")
     out = query.new_zeros(*query.shape[:-1], value.shape[-1])
     plans: list[SparsePlan | None] = []
-    real = _real_tokens(mask)
+    real = real_tokens(mask)
     for row in range(query.shape[0]):
         tokens = real[row].nonzero().flatten()
         if tokens.numel() == 0:

@@ -1,6 +1,6 @@
 """The paired checks quoted in docs/quality.md (H200 section), from the committed predictions; writes checks.txt.
 
-Run: ``python profiling/quality/checks.py`` (the raw runs come from the studies' ``runs.tar.xz``).
+Run: ``python profiling/quality/checks.py`` (the raw runs come from the studies' packed runs, `archive.runs_folder`).
 1. batch_check/: the runs repeated in batches of 8 against the one-by-one runs: identical new tokens, median timings.
 2. niah_single, full cache: per-sample (paired) wins and losses of entropy against critiprefill and streaming at the
    same B_0 (a win: entropy answers a sample the other misses).

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import flexentropy as fe
-from flexentropy.data import load_essays, prompt_ids, vault_needle
+from bench.data import load_essays, prompt_ids, vault_needle
+from bench.loading import load_model
 from flexentropy.integrations import cache_keyword
-from flexentropy.runtime.loading import load_model
 
 SETTINGS = {   # name -> EntropyConfig changes (None: the full cache)
     "full": None,

@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from transformers.utils import logging
 
-from flexentropy.data import load_essays
+from bench.data import load_essays
 from flexentropy.integrations.gguf import load_tokenizer
 
 GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -26,14 +26,16 @@ def main(folder: str) -> None:
     stock, fixed = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF), load_tokenizer(folder, GGUF)
     out = {
         "gguf": GGUF,
-        "text": "first 100,000 characters of flexentropy.data.load_essays()",
+        "text": "first 100,000 characters of bench.data.load_essays()",
         "tokens_transformers_alone": len(stock(text)["input_ids"]),
         "tokens_load_tokenizer": len(fixed(text)["input_ids"]),
         "hello_world_transformers_alone": stock.convert_ids_to_tokens(stock("Hello world")["input_ids"]),
         "hello_world_load_tokenizer": fixed.convert_ids_to_tokens(fixed("Hello world")["input_ids"]),
     }
-    path = Path(__file__).resolve().parents[2] / "docs/results/gemma3_cpu/tokenizer_counts.json"
-    path.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    path = Path(__file__).resolve().parents[2] / "docs/results/gemma3_cpu.json"   # its "tokenizer_counts" key
+    results = json.loads(path.read_text(encoding="utf-8"))
+    results["tokenizer_counts"] = out
+    path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(json.dumps(out, ensure_ascii=False))
 
 

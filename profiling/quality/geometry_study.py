@@ -1,7 +1,7 @@
 """Attention-output error against density per segment and key-block size, the default rule (probe observation,
 coverage budgets) on a real model's own q/k/v (CPU; docs/quality.md).
 
-    python profiling/quality/geometry_study.py --out docs/results/qwen_geometry_study.txt
+    python profiling/quality/geometry_study.py --out runs/qwen_geometry_study.txt  (docs/results/qwen_cpu_studies.md)
 
 Uses `mass_study`'s capture (Qwen2.5-Coder-0.5B, one 16k niah_multikey prompt, cached as
 ``docs/results/qwen_mass_study_v.pt``). Per sparse layer, 128 random query rows between the dense prefix (4096) and

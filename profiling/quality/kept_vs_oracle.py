@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from eviction_inside_answer import digit_positions
 
-from flexentropy.data import load_essays, prompt_ids, vault_needle
-from flexentropy.eval.capture import capture_qkv
+from bench.data import load_essays, prompt_ids, vault_needle
+from bench.eval.capture import capture_qkv
+from bench.loading import load_model
 from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores
-from flexentropy.runtime.loading import load_model
 
 DEFAULT = {"window": 32, "pool": 5, "span": 16, "kind": "softmax", "group": "mean", "split": "none"}
 SETTINGS = {   # name -> changes to the default scoring (EntropyConfig's decode_* defaults)

@@ -2,7 +2,7 @@
 (CPU; docs/quality.md).
 
     python profiling/quality/mass_study.py --model qwen2.5-coder-0.5b --length 16384 \
-        --out docs/results/qwen_mass_study.txt
+        --out runs/qwen_mass_study.txt  (docs/results/qwen_cpu_studies.md)
 
 Captures every layer's post-RoPE q/k/v on one niah_multikey prompt (dense forward, float32; cached next to ``--out``
 as ``<stem>_v.pt``, not committed), then for every rule plans each sparse layer (layer 0 and the dense segments
@@ -66,9 +66,9 @@ PER_LAYER = ("probe, coverage 0.7", "probe, coverage 0.8 (default)", "probe, cov
 def capture(model: str, length: int, path: Path) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     if path.is_file():
         return torch.load(path)
-    from flexentropy.eval.capture import capture_qkv
-    from flexentropy.eval.tasks import make_sample, sample_ids
-    from flexentropy.runtime.loading import load_model
+    from bench.eval.capture import capture_qkv
+    from bench.eval.tasks import make_sample, sample_ids
+    from bench.loading import load_model
 
     loaded, tokenizer = load_model(model, device="cpu", dtype="float32")[:2]
     layers = capture_qkv(loaded, sample_ids(tokenizer, make_sample("niah_multikey", length, 0, tokenizer)))

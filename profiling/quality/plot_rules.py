@@ -3,8 +3,7 @@ column per task, from the ``runs.csv`` of one or more studies (the eval report's
 only, so it cannot tell the coverage variants of ``entropy`` apart). The segment size is read from the model label
 (`SEGMENTS_256`), else the 512 of the first runs.
 
-    python profiling/quality/plot_rules.py docs/results/qwen_h200_seg256 docs/results/qwen_h200_rules
-    python profiling/quality/plot_rules.py docs/results/qwen_h200_s13
+    python profiling/quality/plot_rules.py docs/results/qwen_h200
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
-from flexentropy.eval.resolve import parse_spec  # noqa: E402
+from bench.eval.resolve import parse_spec  # noqa: E402
 
 SEGMENTS_256 = ("-seg256", "-yarn4")
 """Model labels of the runs at segments of 256: the 32k runs from session 8 on, and every 128k run under YaRN."""

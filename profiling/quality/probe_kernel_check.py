@@ -7,7 +7,7 @@ device call can pick the path of the runs after it. Cases: segments of 512 and 2
 (`PROBE_KERNEL_OUTPUTS` cut down, so that later calls start at a probe row other than 0), float32 and bfloat16.
 
 History: sessions 7-8 found rows summing to 0.715 on the H200. Session 9 compared the kernel's raw output and
-log-sum-exp per key chunk with dense scores (docs/results/h200_logs/session9.txt): exact with the BlockMask built
+log-sum-exp per key chunk with dense scores (docs/results/gpu_sessions.md, session9): exact with the BlockMask built
 eagerly, whether flex was compiled with static or dynamic shapes, with or without full blocks. The mass was lost
 only when the BlockMask was built inside the compiled graph; it is now built eagerly.
 """

@@ -45,10 +45,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from flexentropy.eval.metrics import string_match_all
-from flexentropy.eval.resolve import apply_prefill, make_prefill_policy, make_run_cache
-from flexentropy.eval.runner import EVAL_CONFIG, load_model
-from flexentropy.eval.tasks import make_sample, sample_ids
+from bench.eval.metrics import string_match_all
+from bench.eval.resolve import apply_prefill, make_prefill_policy, make_run_cache
+from bench.eval.runner import EVAL_CONFIG, load_model
+from bench.eval.tasks import make_sample, sample_ids
 from flexentropy.policies import SnapKV
 
 TASK, LENGTH, PLACEMENT, SEED = "niah_single", 2048, "outside", 0

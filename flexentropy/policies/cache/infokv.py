@@ -72,7 +72,7 @@ def fused_scores(layer: LayerView, alpha: float, pool: int = 1) -> torch.Tensor:
     signal = layer.stats["signal"]
     if torch.isnan(signal).any():
         raise RuntimeError(f"{layer.owner} layer {layer.layer_idx} misses the model signals of some stored "
-                           f"tokens: attach the model (make_cache(name, model=model))")
+                           f"tokens: switch the model with fe.enable(model), whose hooks hand them over")
     real = layer.real_entries()
     signal = signal.to(attention.dtype) if real is None else signal.to(attention.dtype).masked_fill(~real, -math.inf)
     return alpha * attention + (1.0 - alpha) * signal.softmax(dim=-1)

@@ -1,5 +1,0 @@
-"""``python -m flexentropy.eval``: see `flexentropy.eval.cli`."""
-
-from flexentropy.eval.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The hooks `flexentropy.enable` installs on a transformers model, and `flexentropy.disable` removes.
+
+All of them do nothing for a cache that does not ask for them, so a model switched by `enable` serves transformers'
+own caches unchanged.
+
+- Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
+  under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
+- The decoder's forward pre-hook runs `StaticLatentKVCache.before_forward` eagerly before every forward (its
+  decisions never run inside a captured step), unless the caller prepared the step itself.
+- ``model.get_compiled_call`` (what ``generate`` decodes with) runs the steps of a `StaticLatentKVCache` that is not
+  yet static, and a later turn's forward of several tokens, eagerly, and only its static one-token steps compiled.
+  Traced, a phase-1 step breaks its graph in every layer (its cache work is excluded from tracing), and the frames of
+  those breaks are then entered on every later step too.
+- One forward hook per decoder layer hands hidden states and the predictive distribution to a cache whose policy
+  needs them (`PolicyCache.wants_signals`, InfoKV): ``observe_hidden`` per layer and, after the last layer,
+  ``finish_forward`` with a function applying the final norm and the LM head (``generate`` computes logits for the
+  last token only; nothing runs the model twice). A model without a final norm and LM head gets none.
+
+The handles live here, per model (weakly), not on the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from flexentropy._compile import eager
+from flexentropy.caches.keywords import cache_argument
+from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.caches.static_latent import StaticLatentKVCache
+
+CACHE_KWARG = "flexentropy_cache"
+"""Keyword under which `hand_over_cache` hands the module's cache to the attention function."""
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
+"""Model -> the handles of the hooks `install` registered on it."""
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether `install` put its hooks on ``model`` (and `remove` has not taken them off)."""
+    return model in _INSTALLED
+
+
+def install(model: nn.Module, attention: list[nn.Module]) -> None:
+    """Register every hook of the module docstring on ``model`` (``attention``: its attention modules), once."""
+    if installed(model):
+        return
+    handles = [module.register_forward_pre_hook(hand_over_cache, with_kwargs=True) for module in attention]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    handles.append(decoder.register_forward_pre_hook(_prepare_static_step, with_kwargs=True))
+    handles.extend(_signal_hooks(model))
+    if hasattr(model, "get_compiled_call"):
+        model.get_compiled_call = _route_phase_one_eagerly(model, model.get_compiled_call)
+    _INSTALLED[model] = handles
+
+
+def remove(model: nn.Module) -> bool:
+    """Take `install`'s hooks off ``model`` and give it back its own ``get_compiled_call``; whether there were
+    any."""
+    handles = _INSTALLED.pop(model, None)
+    if handles is None:
+        return False
+    for handle in handles:
+        handle.remove()
+    vars(model).pop("get_compiled_call", None)
+    return True
+
+
+def real_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
+    padding."""
+    return mask[:, 0].diagonal(dim1=-2, dim2=-1)
+
+
+def hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """An attention module's forward pre-hook: pass its cache (``cache`` or ``past_key_values``) on as
+    `CACHE_KWARG`; before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
+    ``update``) and, for a sliding-window layer, its window."""
+    cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
+    if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
+                and mask.shape[-2] == mask.shape[-1]:
+            cache.observe_padding(real_tokens(mask), module.layer_idx)
+        if getattr(module, "sliding_window", None):
+            cache.observe_sliding(int(module.sliding_window), module.layer_idx)
+    return args, {**kwargs, CACHE_KWARG: cache}
+
+
+def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Tokens in a decoder call's input (``input_ids`` or ``inputs_embeds``, keyword or first positional)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
+
+
+def _prepare_static_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = cache_argument(kwargs)
+    if isinstance(cache, StaticLatentKVCache) and not cache.prepared_by_caller:
+        eager(cache.before_forward, _query_length(args, kwargs))
+
+
+def _route_phase_one_eagerly(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``get_compiled_call`` for ``model`` whose calls run a `StaticLatentKVCache`'s non-static forwards eagerly
+    (module docstring); ``compiled_call``: the model's own."""
+    def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
+        compiled = compiled_call(compile_config)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            cache = cache_argument(kwargs)
+            if not isinstance(cache, StaticLatentKVCache):
+                return compiled(*args, **kwargs)
+            if not cache.is_static or _query_length(args, kwargs) != 1:
+                return model(*args, **kwargs)
+            with cache.prepared(_query_length(args, kwargs)):
+                return compiled(*args, **kwargs)
+
+        return call
+
+    return get_compiled_call
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:
+    """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
+    logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    norm = getattr(decoder, "norm", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if layers is None or norm is None or head is None:
+        raise ValueError(f"cannot find the decoder layers, final norm and LM head of {type(model).__name__}; "
+                         "signal policies need an HF causal LM (model.model.layers / .norm, lm_head)")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+
+    def logits_fn(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(norm(hidden))
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    return layers, logits_fn
+
+
+def _signal_hooks(model: nn.Module) -> list[RemovableHandle]:
+    """The decoder layers' forward hooks handing signals to caches that want them (module docstring); none for a
+    model without a final norm and LM head."""
+    try:
+        layers, logits_fn = decoder_parts(model)
+    except ValueError:
+        return []
+    last = len(layers) - 1
+
+    def make_hook(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            cache = cache_argument(kwargs)
+            if not getattr(cache, "wants_signals", False):
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            cache.observe_hidden(index, hidden)
+            if index == last:
+                cache.finish_forward(hidden, logits_fn)
+
+        return hook
+
+    return [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]

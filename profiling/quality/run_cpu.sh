@@ -4,7 +4,7 @@
 # On a GPU, raise --samples (and add lengths) with the same commands; results land in the same layout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-E="python -m flexentropy.eval"
+E="python -m bench.eval"
 OUT=${OUT:-docs/results/quality}  # the committed results; the eval alone writes under runs/ (ignored)
 SAMPLES=${SAMPLES:-4}
 

@@ -193,7 +193,7 @@ def build_cache(name: str, config: EntropyConfig, model: Any) -> Any:
 
     if name == "latent":
         return LatentKVCache(config)
-    knobs = {"budget": config.decode_budget} if "budget" in CACHE_POLICIES[name].__dataclass_fields__ else {}
+    knobs = {"budget": config.decode_budget} if "budget" in CACHE_POLICIES[name].knob_names() else {}
     return make_cache(name, model=model, **knobs)
 
 

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.attention import decode_attention
+from flexentropy.kv.decode import decode_attention
 from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill
 from flexentropy.prefill import (
     RecompileLimitError,
@@ -33,7 +33,7 @@ _LAZY = {
     "enable": "flexentropy.integrations.hf",
     "disable": "flexentropy.integrations.hf",
     "enabled": "flexentropy.integrations.hf",
-    "EntropyAttention": "flexentropy.modules",
+    "EntropyAttention": "flexentropy.entropy_attention",
     "warm_up": "flexentropy.decoding",
     "greedy_decode": "flexentropy.decoding",
     "greedy_generate": "flexentropy.decoding",

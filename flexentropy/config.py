@@ -78,8 +78,8 @@ class EntropyConfig:
         probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
         probe_kernel: compute the probes' block masses with compiled flex attention, no score stored
             (`probe_mass_kernel`), or (False) by scoring probe rows in chunks; the same masses. ``None`` (default):
-            the kernel on CUDA outside an enclosing ``torch.compile`` (about 3x faster than the scored path at 128k
-            on an H200, docs/performance.md), the scored path elsewhere.
+            the kernel on CUDA outside an enclosing ``torch.compile`` (the faster one there, docs/performance.md),
+            the scored path elsewhere.
         sink_blocks: leading key blocks every segment attends to.
         local_blocks: key blocks just before each segment that it always attends to.
         dense_prefix: segments starting before this many tokens attend densely; ``N <= dense_prefix`` is dense.
@@ -99,11 +99,14 @@ class EntropyConfig:
             the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that
             follow the one being read (0: off, as the paper).
         decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
+        decode_group: how a KV head combines its group's query heads (GQA): ``"mean"`` over the heads (and the
+            window's queries), or ``"max"``: each query head scores over the window on its own and the KV head keeps
+            the best, so an entry that one head reads is not diluted by the heads that do not.
         recompress_every: R: after the first eviction, evict again whenever ``decode_budget + R`` entries are
             stored, so a KV head never holds more than ``decode_budget + R`` entries (default 32: the budget bounds
             memory). None evicts once, as the paper does: the cache then grows by one entry per generated token.
-        decode_kernel: attention kernel of a `StaticLatentKVCache` decode step: ``"auto"`` (flash-attn-4's, half
-            the time of SDPA's on the H200, where it can run: CUDA, 16-bit, flash-attn-4 importable, no padded
+        decode_kernel: attention kernel of a `StaticLatentKVCache` decode step: ``"auto"`` (flash-attn-4's, faster than
+            SDPA's on the GPU, docs/performance.md, where it can run: CUDA, 16-bit, flash-attn-4 importable, no padded
             row; else SDPA with the validity mask), ``"sdpa"`` or ``"flash"`` (raises where it cannot run).
     """
 
@@ -133,6 +136,7 @@ class EntropyConfig:
     decode_pool: int = 5
     decode_span: int = 16
     decode_score: Literal["softmax", "raw"] = "softmax"
+    decode_group: Literal["mean", "max"] = "mean"
     recompress_every: int | None = 32
     decode_kernel: Literal["auto", "sdpa", "flash"] = "auto"
 
@@ -169,6 +173,7 @@ class EntropyConfig:
         if self.segment_size % self.probes:
             raise ValueError(f"EntropyConfig.probes must divide segment_size={self.segment_size}, got {self.probes}")
         check_choice(owner, "decode_score", self.decode_score, ("softmax", "raw"))
+        check_choice(owner, "decode_group", self.decode_group, ("mean", "max"))
         check_choice(owner, "backend", self.backend, BACKENDS)
         check_choice(owner, "decode_kernel", self.decode_kernel, DECODE_KERNELS)
         if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):

@@ -127,7 +127,8 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
 
 
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
-            new_tokens: int | None = None, compile_config: Any = None, loop: bool = False) -> dict[int, float]:
+            new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
+            cache: Any = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
     ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly),
     through ``model.generate`` or, with ``loop=True``, through `greedy_generate` (each compiles its own decode
@@ -135,7 +136,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
 
     Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
     above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the
-    length); later prompts of any length in that range and any number of decode steps compile nothing new.
+    length); later prompts of any length in that range and any number of decode steps compile nothing new. Pass the
+    ``cache`` that will serve (reset after each warm-up prompt, and left empty): its buffers are then the ones the
+    decode step was recorded with (CUDA graphs), so serving with it and ``cache.reset()`` between requests records
+    nothing new.
 
     Args:
         model: an HF causal LM switched by `flexentropy.enable`.
@@ -148,6 +152,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
             compiles only with one whose ``_compile_all_devices`` is set).
         loop: warm `greedy_generate` instead of ``generate``.
+        cache: the `StaticLatentKVCache` that will serve (default: a new one, dropped after the warm-up).
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -155,8 +160,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     from flexentropy.caches.static_latent import StaticLatentKVCache
     from flexentropy.integrations.hf import CONFIG_ATTR, cache_keyword, parse_settings
 
+    if cache is not None and not isinstance(cache, StaticLatentKVCache):
+        raise TypeError(f"warm_up warms a StaticLatentKVCache, got {type(cache).__name__}")
     if config is None:
-        config = parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+        config = cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
     if lengths is None:
         start = config.dense_prefix + config.segment_size
         lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)
@@ -171,15 +178,18 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     seconds = {}
     for length in lengths:
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
-        cache = StaticLatentKVCache(config, model=model)
+        serving = StaticLatentKVCache(config, model=model) if cache is None else cache
+        serving.reset()
         start_time = time.perf_counter()
         if loop:
-            greedy_generate(model, ids.to(model.device), cache, new_tokens, compile_config=compile_config)
+            greedy_generate(model, ids.to(model.device), serving, new_tokens, compile_config=compile_config)
         else:  # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's calls
             model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, **{cache_keyword(model): cache}, **extra)
+                           pad_token_id=0, **{cache_keyword(model): serving}, **extra)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         seconds[length] = time.perf_counter() - start_time
+    if cache is not None:
+        cache.reset()
     return seconds

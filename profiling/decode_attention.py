@@ -8,7 +8,7 @@ buffers captured in one CUDA graph and replayed, so launch gaps are gone and eve
 Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticLatentLayer.valid` gives it for an
 unpadded batch: the first ``C - 26`` entries of every row, a step between two recompressions):
 
-* ``sdpa_masked``: `flexentropy.kv.attention.grouped_attention` (the GQA group folded onto the query length, one
+* ``sdpa_masked``: `flexentropy.kv.decode.grouped_attention` (the GQA group folded onto the query length, one
   SDPA call with the mask): what the captured step runs today;
 * ``sdpa_efficient``: the same call with SDPA held to its memory-efficient backend;
 * ``matmul``: the same folded product written out, ``softmax(q k^T * scale + mask) v``, in float32;
@@ -18,7 +18,7 @@ unpadded batch: the first ``C - 26`` entries of every row, a step between two re
 * ``split``: ``reduced`` with the entries cut into ``--partitions`` chunks merged by their maxima (split-KV, as
   flash-decoding does), so that one token's attention over ~1k entries spreads over more of the GPU than one block
   per KV head;
-* ``flash``: `flexentropy.kv.attention.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one split:
+* ``flash``: `flexentropy.kv.decode.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one split:
   4.0.0b36 asserts "SplitKV not supported on SM 9.0" for more), masked by the count of valid entries per row
   (``StaticLatentLayer.lengths``), where flash-attn-4 is importable: what the captured step runs when it can.
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, time_ms, write_json  # noqa: E402
 
-from flexentropy.kv.attention import flash_decode, grouped_attention  # noqa: E402
+from flexentropy.kv.decode import flash_decode, grouped_attention  # noqa: E402
 
 _flex = torch.compile(flex_attention, dynamic=False)
 

@@ -63,7 +63,7 @@ from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
-from flexentropy.prefill.kernel import flash_available, kernel_options  # noqa: E402
+from flexentropy.sparse.kernel import flash_available, kernel_options  # noqa: E402
 
 BANDWIDTH = 4.3e12
 """H200 HBM bytes per second: the memory-speed limit of a decode step."""
@@ -350,13 +350,22 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
     cfg = speed_config(decode_budget=args.budget, base_budget=args.prefill_budget,
                        probe_kernel=PROBE_KERNEL[args.probe_kernel], decode_kernel=args.decode_kernel)
+    caches: dict = {}
+
+    def serve(config: fe.EntropyConfig) -> fe.StaticLatentKVCache:
+        """The one `StaticLatentKVCache` of ``config`` that serves every request of this part, reset: its buffers
+        keep the addresses the warm-up recorded the decode step with."""
+        if config not in caches:
+            caches[config] = fe.StaticLatentKVCache(config, model=model)
+        cache = caches[config]
+        cache.reset()
+        return cache
 
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
         clock = StepClock(device)
         recorded = RECORDINGS.count
-        seconds, _ = generate_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), new, device, clock,
-                                compile_config=cc)
+        seconds, _ = generate_s(model, ids, serve(cfg), new, device, clock, compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}{args.tag}", "n": n, "new_tokens": new,
                 "total_s": seconds, "cuda_graphs_recorded": RECORDINGS.count - recorded,
                 **clock.summary(cfg.decode_delay), "density": prefill_density(model),
@@ -377,7 +386,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     def warm() -> dict:
         fe.enable(model, cfg, prefill="entropy")
         t0 = time.perf_counter()
-        times = fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc)
+        times = fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, cache=serve(cfg))
         return {"part": "e2e", "variant": "warm_up" + args.tag, "total_s": time.perf_counter() - t0,
                 "per_length_s": {str(k): v for k, v in times.items()}}
 
@@ -392,8 +401,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch.profiler.profile(activities=activities) as prof:
-            seconds, _ = generate_s(model, short, fe.StaticLatentKVCache(cfg, model=model), args.profile_steps,
-                                    device, compile_config=cc)
+            seconds, _ = generate_s(model, short, serve(cfg), args.profile_steps, device, compile_config=cc)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
         (Path(args.out) / "generate_profile.txt").write_text(table, encoding="utf-8")
         return {"part": "e2e", "variant": "generate_profile", "n": short.shape[1], "new_tokens": args.profile_steps,
@@ -407,11 +415,10 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         ``fe.warm_up(..., loop=True)``; its TTFT from a second call of one token."""
         fe.enable(model, cfg, prefill="entropy")
         t0 = time.perf_counter()
-        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True)
+        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True, cache=serve(cfg))
         warm_s = time.perf_counter() - t0
         recorded = RECORDINGS.count
-        timed = {tokens: loop_s(model, ids, fe.StaticLatentKVCache(cfg, model=model), tokens, device, cc)
-                 for tokens in (new, 1)}
+        timed = {tokens: loop_s(model, ids, serve(cfg), tokens, device, cc) for tokens in (new, 1)}
         return {"part": "e2e", "variant": f"flexentropy_loop{args.tag}", "n": n, "new_tokens": new,
                 "total_s": timed[new], "ttft_s": timed[1], "cuda_graphs_recorded": RECORDINGS.count - recorded,
                 "decode_step_ms": (timed[new] - timed[1]) / (new - 1) * 1e3, "warm_up_loop_s": warm_s,
@@ -426,10 +433,9 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         prompt)."""
         full = dense_lengths_config(cfg, n + new + 8)
         fe.enable(model, full, prefill="dense")
-        generate_s(model, ids[:, :args.warm_lengths[0]], fe.StaticLatentKVCache(full, model=model), 8, device,
-                   compile_config=cc)
+        generate_s(model, ids[:, :args.warm_lengths[0]], serve(full), 8, device, compile_config=cc)
         clock = StepClock(device)
-        cache = fe.StaticLatentKVCache(full, model=model)
+        cache = serve(full)
         seconds, _ = generate_s(model, ids, cache, new, device, clock, compile_config=cc)
         return {"part": "e2e", "variant": "dense_lengths" + args.tag, "n": n, "new_tokens": new, "total_s": seconds,
                 **clock.summary(0), "decode_kernel": "flash" if cache.layers[0].flash else "sdpa"}
@@ -555,16 +561,17 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         cfg = speed_config(decode_budget=args.budget, probe_kernel=PROBE_KERNEL[args.probe_kernel],
                            decode_kernel=args.decode_kernel)
         fe.enable(model, cfg, prefill="entropy")
-        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop)
+        serving = fe.StaticLatentKVCache(cfg, model=model)
+        fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop, cache=serving)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         recorded = RECORDINGS.count
         per_length = {}
         for length in args.check_lengths:
             ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
             steps = args.long_steps if length == args.check_lengths[0] else 8
-            cache = fe.StaticLatentKVCache(cfg, model=model)
-            if args.no_spare:  # the last request's buffers freed: this one decodes at new addresses
-                fe.StaticLatentKVCache.drop_spare_buffers()
+            # the serving cache reset, or (--new-cache) a new cache per request: new addresses
+            cache = fe.StaticLatentKVCache(cfg, model=model) if args.new_cache else serving
+            cache.reset()
             seconds = (loop_s(model, ids, cache, steps, device, cc) if loop
                        else generate_s(model, ids, cache, steps, device, compile_config=cc)[0])
             per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
@@ -572,7 +579,7 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
                                            int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
                                        "cuda_graphs_recorded_since_warm_up": RECORDINGS.count - recorded}
         return {"part": "checks", "variant": "recompiles_after_warm_up" + ("_loop" if loop else "")
-                + ("_no_spare" if args.no_spare else ""),
+                + ("_new_cache" if args.new_cache else ""),
                 "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
                 "cuda_graphs_recorded": RECORDINGS.count - recorded}
@@ -670,9 +677,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-steps", type=int, default=1000)
     checks = ["identity", "dense_control", "uncaptured", "float32", "recompiles", "recompiles_loop"]
     p.add_argument("--checks", nargs="+", choices=checks, default=checks)
-    p.add_argument("--no-spare", action="store_true",
-                   help="checks: recompiles: free the last request's static buffers before each request "
-                        "(StaticLatentKVCache.drop_spare_buffers), as before they were kept: the cost of new addresses")
+    p.add_argument("--new-cache", action="store_true",
+                   help="checks: recompiles: serve each request with a new StaticLatentKVCache (new buffer addresses) "
+                        "instead of the warmed cache reset: the cost of new addresses")
     p.add_argument("--check-model", default=None,
                    help="checks: run identity and dense_control on this real model (a .gguf file, a model folder or "
                         "an alias of bench.models) with an essay prompt of --check-prompt tokens; their "

@@ -41,9 +41,9 @@ from common import attention_inputs, environment, time_ms, write_json  # noqa: E
 from flexentropy import EntropyConfig  # noqa: E402
 from flexentropy.policies import PrefillPolicy, make_prefill  # noqa: E402
 from flexentropy.policies.prefill.vertical_slash import token_density  # noqa: E402
-from flexentropy.prefill.attention import dense_causal_attention  # noqa: E402
-from flexentropy.prefill.kernel import run_plan  # noqa: E402
-from flexentropy.prefill.plan import SparsePlan, causal_blocks  # noqa: E402
+from flexentropy.prefill.sparse_prefill import dense_causal_attention  # noqa: E402
+from flexentropy.sparse.kernel import run_plan  # noqa: E402
+from flexentropy.sparse.plan import SparsePlan, causal_blocks  # noqa: E402
 
 POLICIES = ("dense", "entropy", "critiprefill", "streaming", "flexprefill", "xattention", "vertical_slash")
 

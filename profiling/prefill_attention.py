@@ -37,11 +37,11 @@ from common import (  # noqa: E402
 import flexentropy as fe  # noqa: E402
 from flexentropy.prefill import estimate  # noqa: E402
 from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
-from flexentropy.prefill.entropy import segment_entropy  # noqa: E402
-from flexentropy.prefill.kernel import kernel_options, run_plan  # noqa: E402
+from flexentropy.prefill.entropies import segment_entropy  # noqa: E402
 from flexentropy.prefill.observation import _observation  # noqa: E402
-from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
 from flexentropy.prefill.selection import block_table  # noqa: E402
+from flexentropy.sparse.kernel import kernel_options, run_plan  # noqa: E402
+from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
 
 
 def causal_flops(n: int, hq: int, d: int, b: int = 1) -> float:

@@ -61,7 +61,7 @@ from end_to_end import LLAMA_31_8B, TINY  # noqa: E402
 import flexentropy as fe  # noqa: E402
 from flexentropy.integrations import hf  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
-from flexentropy.prefill.kernel import flash_available  # noqa: E402
+from flexentropy.sparse.kernel import flash_available  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from flexentropy.policies.prefill.xattention import antidiagonal_block_mass
-from flexentropy.prefill.plan import causal_blocks
+from flexentropy.sparse.plan import causal_blocks
 
 
 def load_released(folder: Path) -> types.ModuleType:

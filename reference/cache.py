@@ -41,6 +41,7 @@ def window_attention_scores(
     kind: str = "softmax",
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
+    group_mode: str = "mean",
 ) -> torch.Tensor:
     """Scores ``[B, Hkv, T]`` float64 of ``keys [B, Hkv, T, D]`` under ``window_q [B, Hq, W, D]`` (design.md §2).
 
@@ -49,7 +50,8 @@ def window_attention_scores(
     ``"softmax"``: for every KV head ``h``, every query head ``hq`` of its group and every window query ``i``, the
     softmax over the keys ``i`` sees of ``scale * q.k`` (default ``scale = 1/sqrt(D)``), accumulated and divided
     by ``G * W`` (unseen keys add 0). ``"raw"`` (Alg. 4 lines 13-14, ``w = sum_i Q_W K^T``): the sum of the unscaled
-    logits over the same (query, head) pairs, unseen keys adding 0.
+    logits over the same (query, head) pairs, unseen keys adding 0. ``group_mode="max"``: each query head's own
+    score over the window (divided by ``W`` for ``"softmax"``), the best head's per key.
     """
     batch, q_heads, window, dim = window_q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
@@ -60,7 +62,7 @@ def window_attention_scores(
     q_pos = query_positions.tolist()
     k_pos = _per_head_positions(key_positions, batch, kv_heads, length)
     allowed = (torch.ones(batch, kv_heads, length, dtype=torch.bool) if key_mask is None else key_mask).tolist()
-    scores = torch.zeros(batch, kv_heads, length, dtype=torch.float64)
+    per_head = torch.zeros(batch, kv_heads, group, length, dtype=torch.float64)
     for b in range(batch):
         for h in range(kv_heads):
             for g in range(group):
@@ -72,14 +74,16 @@ def window_attention_scores(
                     logits = {j: float(torch.dot(q[b, hq, i], k[b, h, j])) for j in seen}  # S = Q_W K^T, row i
                     if kind == "raw":
                         for j in seen:
-                            scores[b, h, j] += logits[j]  # w = sum_i S[i, :]
+                            per_head[b, h, g, j] += logits[j]  # w = sum_i S[i, :]
                         continue
                     top = max(scale * logits[j] for j in seen)
                     exps = {j: math.exp(scale * logits[j] - top) for j in seen}
                     total = sum(exps.values())
                     for j in seen:
-                        scores[b, h, j] += exps[j] / total / (group * window)
-    return scores
+                        per_head[b, h, g, j] += exps[j] / total / window
+    if group_mode == "max":
+        return per_head.amax(dim=2)
+    return per_head.sum(dim=2) if kind == "raw" else per_head.sum(dim=2) / group
 
 
 def prefix_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -148,7 +152,8 @@ def evict(
     ``positions [B, Hkv, T]`` are the stored entries' token positions; the window's own positions (those at or
     after its first query) are always kept.
     """
-    scores = window_attention_scores(window_q, keys, query_positions, positions, config.decode_score)  # step 2
+    scores = window_attention_scores(window_q, keys, query_positions, positions, config.decode_score,
+                                     group_mode=config.decode_group)  # step 2
     scores = spread_forward(pool_scores(scores, config.decode_pool), config.decode_span)
     forced = positions >= int(query_positions[0])  # step 1: the window's own entries
     indices = keep_indices(scores, config.decode_budget, forced)  # step 3

@@ -26,8 +26,9 @@ TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexe
 PATCHERS = ("flexentropy.integrations",)
 """The only library modules that may install hooks on a model or set attributes of objects they were handed."""
 
-LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.prefill", "flexentropy.kv",
-          "flexentropy.policies", "flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding")
+LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.sparse",
+          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.caches",
+          "flexentropy.integrations", "flexentropy.decoding")
 """Lower layers first: a module may import its own layer and the ones before it, never a later one."""
 
 

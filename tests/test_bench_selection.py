@@ -10,10 +10,10 @@ import torch
 
 import flexentropy as fe
 from flexentropy.prefill.budgets import allocate_budgets
-from flexentropy.prefill.entropy import segment_entropy
+from flexentropy.prefill.entropies import segment_entropy
 from flexentropy.prefill.observation import _observation
-from flexentropy.prefill.plan import block_mask_tensors
 from flexentropy.prefill.selection import block_table, coverage_budgets
+from flexentropy.sparse.plan import block_mask_tensors
 
 N, HQ, HKV, D = 16384, 8, 2, 64
 

@@ -35,8 +35,8 @@ from flexentropy import EntropyConfig
 from flexentropy.caches import LatentKVCache, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
-from flexentropy.kv.attention import grouped_attention, kept_columns
-from flexentropy.policies.prefill import entropy as entropy_prefill
+from flexentropy.kv.decode import grouped_attention, kept_columns
+from flexentropy.policies import PrefillPolicy
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -86,7 +86,7 @@ def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
 def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     dense, model = twins(arch, COVERING)
     ids = prompt()
-    plan = mock.patch.object(entropy_prefill, "select_blocks", wraps=entropy_prefill.select_blocks)
+    plan = mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan)
     with plan as planned, torch.no_grad():
         logits = model(ids).logits
         assert sorted(c.args[3] for c in planned.call_args_list) == sparse_layers(model, COVERING)
@@ -168,9 +168,9 @@ def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
         assert torch.equal(batch[row], greedy(dense, solo)[0]), f"covering budgets, row {row}"
 
     enable(model, SMALL)
-    with mock.patch.object(entropy_prefill, "select_blocks", wraps=entropy_prefill.select_blocks) as planned:
+    with mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan) as planned:
         batch = greedy(model, ids, attention_mask=mask)
-    rows = [c.args[0].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
+    rows = [c.args[1].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
     assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))
     for row, solo in enumerate(solos):
         assert torch.equal(batch[row], greedy(model, solo)[0]), f"small budgets, row {row}"
@@ -234,7 +234,7 @@ def test_padded_batch_after_eviction_masks_padding(arch: str) -> None:
     ids, mask, _ = left_padded((PROMPT, 400))
     _, model = twins(arch, SMALL)
     cache = LatentKVCache(SMALL)
-    with mock.patch("flexentropy.caches.layer.kept_columns", wraps=kept_columns) as gathered:
+    with mock.patch("flexentropy.caches.policy_layer.kept_columns", wraps=kept_columns) as gathered:
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert all(torch.isfinite(step).all() for step in out.logits)

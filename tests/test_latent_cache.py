@@ -71,8 +71,9 @@ def _dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]),
        window=st.integers(1, 5), extra=st.integers(0, 20), dim=st.sampled_from([1, 4, 8]),
        kind=st.sampled_from(["softmax", "raw"]), evicted=st.booleans(), masked=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_window_scores_match_reference(batch, kv_heads, group, window, extra, dim, kind, evicted, masked, seed):
+       group_mode=st.sampled_from(["mean", "max"]), seed=st.integers(0, 2**16))
+def test_window_scores_match_reference(batch, kv_heads, group, window, extra, dim, kind, evicted, masked, group_mode,
+                                       seed):
     gen = torch.Generator().manual_seed(seed)
     length = window + extra
     q = _randn(gen, batch, kv_heads * group, window, dim)
@@ -87,14 +88,35 @@ def test_window_scores_match_reference(batch, kv_heads, group, window, extra, di
         query_positions = torch.arange(length - window, length)
     key_mask = torch.rand(batch, kv_heads, length, generator=gen) > 0.4 if masked else None  # e.g. left padding
     got = window_attention_scores(q, k, query_positions=query_positions, key_positions=key_positions, kind=kind,
-                                  key_mask=key_mask)
-    want = ref.window_attention_scores(q, k, query_positions, key_positions, kind, key_mask=key_mask)
+                                  key_mask=key_mask, group_mode=group_mode)
+    want = ref.window_attention_scores(q, k, query_positions, key_positions, kind, key_mask=key_mask,
+                                       group_mode=group_mode)
     assert got.shape == (batch, kv_heads, length) and got.dtype == F64
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     if masked:
         assert (got[~key_mask] == 0).all()  # a hidden key gets nothing
-    elif kind == "softmax":  # mean of probability rows: the scores of a head sum to 1
+    elif kind == "softmax" and group_mode == "mean":  # mean of probability rows: the scores of a head sum to 1
         torch.testing.assert_close(got.sum(-1), torch.ones(batch, kv_heads, dtype=F64))
+
+
+def test_group_max_is_the_best_query_heads_view():
+    """``group_mode="max"``: with one query head per KV head it is the mean; with several, a key one head reads alone
+    keeps that head's score, where the mean divides it by the group (here 4 heads, one of which reads key 3)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = _randn(gen, 1, 2, 3, 4), _randn(gen, 1, 2, 9, 4)
+    positions = dict(query_positions=torch.arange(6, 9), key_positions=torch.arange(9))
+    torch.testing.assert_close(window_attention_scores(q, k, **positions, group_mode="max"),
+                               window_attention_scores(q, k, **positions))
+    keys = torch.eye(9, dtype=F64)[None, None, :, :]                                  # [1, 1, 9, 9]: key j = e_j
+    reader = 30 * torch.eye(9, dtype=F64)[3]                                          # attends key 3 only
+    others = 30 * torch.eye(9, dtype=F64)[5]
+    q = torch.stack([reader, others, others, others])[None, :, None, :]               # [1, 4, 1, 9]
+    positions = dict(query_positions=torch.tensor([8]), key_positions=torch.arange(9), scale=1.0)
+    mean = window_attention_scores(q, keys, **positions)[0, 0]
+    best = window_attention_scores(q, keys, **positions, group_mode="max")[0, 0]
+    torch.testing.assert_close(best[3], torch.tensor(1.0, dtype=F64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(mean[3], torch.tensor(0.25, dtype=F64), atol=1e-9, rtol=0)
+    assert mean[5] > mean[3] and torch.isclose(best[5], best[3])
 
 
 def test_window_scores_float32_for_bf16_inputs():
@@ -179,6 +201,7 @@ def _schedules(draw) -> dict:
             decode_budget=budget, decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3, 5])), decode_score=draw(st.sampled_from(["softmax", "raw"])),
             decode_span=draw(st.sampled_from([0, 2, 16])), recompress_every=draw(st.sampled_from([None, 1, 4])),
+            decode_group=draw(st.sampled_from(["mean", "max"])),
         ),
     )
 
@@ -503,7 +526,7 @@ def test_prefix_masked_decode_matches_reference(batch: int, kv_heads: int, group
     """The static step's SDPA path under a prefix mask (the mask `flash_decode`'s lengths stand for) against the
     reference over each row's first ``lengths[b]`` entries; on CUDA, `flash_decode` is checked against the same
     reference (tests/test_static_latent.py)."""
-    from flexentropy.kv.attention import grouped_attention
+    from flexentropy.kv.decode import grouped_attention
 
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, capacity), min_size=batch, max_size=batch)))
     gen = torch.Generator().manual_seed(capacity)

@@ -1,4 +1,4 @@
-"""`flexentropy.modules.EntropyAttention` and the example model built on it (docs/examples/tiny_lm.py)."""
+"""`flexentropy.entropy_attention.EntropyAttention` and the example model built on it (docs/examples/tiny_lm.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 from flexentropy import EntropyConfig
 from flexentropy.caches import LatentKVCache
-from flexentropy.modules import EntropyAttention
+from flexentropy.entropy_attention import EntropyAttention
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tiny_lm.py"
 DENSE = EntropyConfig(dense_prefix=1 << 20, decode_budget=4096)

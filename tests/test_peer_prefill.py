@@ -23,8 +23,8 @@ from flexentropy import EntropyConfig
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies import FlexPrefill, VerticalSlash, XAttention, make_prefill
 from flexentropy.policies.prefill.vertical_slash import token_density
-from flexentropy.prefill.plan import causal_blocks
 from flexentropy.prefill.selection import fixed_blocks, mass_cover
+from flexentropy.sparse.plan import causal_blocks
 from reference import peers
 from reference import policies as ref
 from reference.prefill import blocks_to_dense_mask, masked_attention

@@ -112,7 +112,7 @@ def test_make_cache_builds_a_policy_cache():
     (lambda: H2O(budget=64, recent=64), r"H2O.recent \(64\) must be < budget \(64\)"),
     (lambda: InfoKV(alpha=2.0), r"InfoKV.alpha must be a finite number in \[0.0, 1.0\]"),
     (lambda: BoundedCache(recent=8, chunk=16), r"BoundedCache.recent must be >= 16"),
-    (lambda: LatentPolicy(budget=8, window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
+    (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
     (lambda: make_prefill("critiprefill", observation="max"), r"CritiPrefill.observation must be one of"),
 ])

@@ -324,7 +324,7 @@ def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: py
 
 def test_block_mask_indices_are_contiguous() -> None:
     """flex's GPU lowering rejects strided index tensors (an inductor error seen on the H200)."""
-    from flexentropy.prefill.plan import block_mask_tensors
+    from flexentropy.sparse.plan import block_mask_tensors
 
     q, k, _ = _qkv(n=1500, d=32)
     plan = fe.select_blocks(q, k, EntropyConfig(segment_size=256, block_size=64, base_budget=128, dense_prefix=256))

@@ -22,8 +22,8 @@ from flexentropy import (
     sparse_prefill_attention,
 )
 from flexentropy.config import coverage_at
-from flexentropy.prefill.kernel import kernel_options, run_plan
 from flexentropy.prefill.selection import coverage_budgets
+from flexentropy.sparse.kernel import kernel_options, run_plan
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -19,7 +19,7 @@ import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.decoding import compile_step, greedy_decode
 from flexentropy.integrations.hf import cache_keyword, enable
-from flexentropy.kv.attention import flash_decode
+from flexentropy.kv.decode import flash_decode
 from reference import cache as reference
 
 VOCAB = 256
@@ -257,30 +257,20 @@ def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     return {tensor.data_ptr() for tensor in tensors}
 
 
-def test_a_new_cache_takes_the_buffers_of_a_dropped_one() -> None:
-    """A captured step replays only at the addresses it was recorded with: a cache built after another is dropped
-    decodes in the same buffers and counters (and gives the same tokens); two live caches never share one."""
-    import gc
-
+def test_reset_keeps_the_buffers_for_the_next_request() -> None:
+    """A captured step replays only at the addresses it was recorded with: after ``reset()`` the next request decodes
+    in the same buffers and counters (and gives the tokens of a fresh cache); two live caches never share one."""
     model = model_for("llama", EVICTING)
-    ids = prompt(300)
-    StaticLatentKVCache.drop_spare_buffers()
-    first = StaticLatentKVCache(EVICTING, model=model)
-    expected = greedy(model, ids, first, 24, disable_compile=True)
-    addresses = static_addresses(first)
-    live = StaticLatentKVCache(EVICTING, model=model)
-    greedy(model, ids, live, 24, disable_compile=True)
-    assert static_addresses(live).isdisjoint(addresses)
-    del first
-    gc.collect()
-    second = StaticLatentKVCache(EVICTING, model=model)
-    assert torch.equal(greedy(model, ids, second, 24, disable_compile=True), expected)
-    assert static_addresses(second) == addresses
-    del second
-    gc.collect()
-    StaticLatentKVCache.drop_spare_buffers()
+    ids, other = prompt(300), prompt(260, seed=5)
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    greedy(model, other, cache, 24, disable_compile=True)
+    addresses = static_addresses(cache)
+    cache.reset()
+    reused = greedy(model, ids, cache, 24, disable_compile=True)
+    assert static_addresses(cache) == addresses
     fresh = StaticLatentKVCache(EVICTING, model=model)
-    assert torch.equal(greedy(model, ids, fresh, 24, disable_compile=True), expected)
+    assert torch.equal(greedy(model, ids, fresh, 24, disable_compile=True), reused)
+    assert static_addresses(fresh).isdisjoint(addresses)
 
 
 def test_a_hand_loop_may_prepare_each_step_itself() -> None:
@@ -487,16 +477,22 @@ def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
 @pytest.mark.slow
 def test_warm_up_then_no_recompile() -> None:
     """After `fe.warm_up` over two lengths (sparse prefill compiled, the static decode graph), a third length
-    in the range compiles nothing."""
+    in the range compiles nothing; the serving cache passed to it comes back empty, and decodes in the buffers the
+    warm-up wrote."""
     model = model_for("llama", EVICTING, prefill="entropy")
     torch._dynamo.reset()
-    times = fe.warm_up(model, [300, 421], compile_config=cpu_compile())
-    assert set(times) == {300, 421}
+    serving = StaticLatentKVCache(EVICTING, model=model)
+    times = fe.warm_up(model, [300, 421], compile_config=cpu_compile(), cache=serving)
+    assert set(times) == {300, 421} and serving.get_seq_length() == 0
+    addresses = static_addresses(serving)
     ids = prompt(377, seed=6)
     expected = greedy(model, ids, LatentKVCache(EVICTING), 30, disable_compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(greedy(model, ids, serving, 30, compile_config=cpu_compile()), expected)
         got = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 30, compile_config=cpu_compile())
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected) and static_addresses(serving) == addresses
+    with pytest.raises(TypeError, match="warm_up warms a StaticLatentKVCache, got LatentKVCache"):
+        fe.warm_up(model, [300], cache=LatentKVCache(EVICTING))
 
 
 def test_a_user_compiled_model_decodes_phase_one_through_placeholders() -> None:

@@ -49,7 +49,7 @@ from bench.eval.runner import Loaded
 from bench.eval.tasks import make_sample, sample_ids
 from flexentropy.config import EntropyConfig
 from flexentropy.prefill.observation import observation_attention
-from flexentropy.prefill.plan import SparsePlan, causal_blocks
+from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 REGIONS = ("none", "all", "question", "after_needle", "before_needle")
 """Query regions a `Variant` makes dense (see the module docstring)."""

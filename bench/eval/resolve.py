@@ -16,7 +16,6 @@ in a `flexentropy.StaticLatentKVCache` (the captured-decode cache), with the sam
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from typing import Any
 
 from flexentropy.config import EntropyConfig
@@ -69,7 +68,7 @@ def cache_has_budget(spec: str) -> bool:
     caches = _registries()[1]
     if name not in caches:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(caches)}")
-    return "budget" in {f.name for f in fields(caches[name])}
+    return "budget" in caches[name].knob_names()
 
 
 def make_prefill_policy(spec: str, config: EntropyConfig, budget: float | None) -> Any:
@@ -97,5 +96,5 @@ def make_run_cache(model: Any, spec: str, budget: int | None) -> Any:
     if budget is not None:
         knobs = {"budget": int(budget), **knobs}
     if name == STATIC_LATENT:
-        return StaticLatentKVCache(LatentPolicy(**knobs).to_config(), model=model)
+        return StaticLatentKVCache(LatentPolicy.from_knobs(**knobs).config, model=model)
     return make_cache(name, model=model, **knobs)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flexentropy import EntropyConfig
-from flexentropy.modules import EntropyAttention, KVCache
+from flexentropy.entropy_attention import EntropyAttention, KVCache
 
 
 class SwiGLU(nn.Module):

@@ -1,6 +1,7 @@
 """Cache storage (design.md §3.2): the transformers ``Cache`` classes that run the cache policies.
 
-- :mod:`.layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's `LayerView`);
+- :mod:`.policy_layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's
+  `LayerView`);
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
 - :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
 - :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 from flexentropy.caches.factory import make_cache
 from flexentropy.caches.latent_kv import LatentKVCache
-from flexentropy.caches.layer import PolicyLayer
 from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.caches.static_latent import StaticLatentKVCache
 
 __all__ = ["LatentKVCache", "PolicyCache", "PolicyLayer", "StaticLatentKVCache", "make_cache"]

@@ -15,7 +15,7 @@ def make_cache(policy: str | CachePolicy = "full", *, model: Any = None, num_lay
 
     Args:
         policy: a name of `flexentropy.CACHE_POLICIES` or a `CachePolicy`.
-        model: the HF model it will serve (layer count; InfoKV/bounded attach their hidden-state hooks to it).
+        model: the HF model it will serve (its layer count).
         num_layers: layer count when no model is given (PyramidKV).
         knobs: the policy's knobs (e.g. ``budget=512``).
 
@@ -24,5 +24,5 @@ def make_cache(policy: str | CachePolicy = "full", *, model: Any = None, num_lay
     """
     rule = make_cache_policy(policy, **knobs)
     if isinstance(rule, LatentPolicy):
-        return LatentKVCache(rule.to_config(), model=model, num_layers=num_layers)
+        return LatentKVCache(rule.config, model=model, num_layers=num_layers)
     return PolicyCache(rule, model=model, num_layers=num_layers)

@@ -33,5 +33,5 @@ class LatentKVCache(PolicyCache):
     def __init__(self, config: EntropyConfig | None = None, *, model: Any = None,
                  num_layers: int | None = None) -> None:
         config = check_config(config, optional=True)
-        super().__init__(LatentPolicy.from_config(config), model=model, num_layers=num_layers)
+        super().__init__(LatentPolicy(config), model=model, num_layers=num_layers)
         self.config = config

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from flexentropy._checks import check_int, check_layer_idx
-from flexentropy.caches.layer import PolicyLayer
+from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.policies.base import CachePolicy
 
 

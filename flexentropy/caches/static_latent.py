@@ -38,7 +38,6 @@ supported.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -46,10 +45,10 @@ import torch
 
 from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
-from flexentropy.caches.layer import PolicyLayer, _nbytes, nan_entries
 from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.caches.policy_layer import PolicyLayer, _nbytes, nan_entries
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.attention import decode_attention, flash_decode, flash_decode_usable, grouped_attention
+from flexentropy.kv.decode import decode_attention, flash_decode, flash_decode_usable, grouped_attention
 
 
 class StaticLatentLayer(PolicyLayer):
@@ -86,11 +85,11 @@ class StaticLatentLayer(PolicyLayer):
     # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
     def _allocate(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None
                   ) -> torch.Tensor:
-        """The preallocated buffer ``name`` (kept across requests of the same shapes, `static_buffer`)."""
+        """The preallocated buffer ``name``, kept across requests of the same shapes (`reset` leaves it)."""
         dtype = like.dtype if dtype is None else dtype
         buffer = self.buffers.get(name)
         if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != like.device:
-            buffer = static_buffer((self.layer_idx, name), shape, dtype, like.device)
+            buffer = static_buffer(shape, dtype, like.device)
             self.buffers[name] = buffer
         return buffer
 
@@ -235,8 +234,9 @@ class StaticLatentKVCache(LatentKVCache):
         cache = fe.StaticLatentKVCache(cfg, model=model)
         out = model.generate(ids, cache=cache, max_new_tokens=256)   # past_key_values= before transformers 5.24
 
-    A new cache per request is fine: a dropped cache leaves its buffers to the next one of the same shapes, so the
-    captured step keeps its addresses and replays (`drop_spare_buffers` frees them).
+    Serve a server's requests with one cache and ``cache.reset()`` before each new prompt: the cache owns its buffers
+    and `reset` keeps them, so the captured step replays at the addresses it was recorded with (`static_buffer`); a
+    new cache allocates new ones, and the step is recorded again for them.
 
     Args:
         config: the `EntropyConfig` (its ``decode_*`` fields and ``recompress_every``).
@@ -263,25 +263,15 @@ class StaticLatentKVCache(LatentKVCache):
         self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
         self._hooked = False        # a pre-hook calls `before_forward` (set at its first call, the prompt's forward)
         self._armed = False         # `prepare` ran for the coming forward, which the hook must not prepare again
-        # a dropped cache leaves its buffers to the next one of the same shapes (`static_buffer`)
-        weakref.finalize(self, spare_buffers, [(layer.layer_idx, layer.buffers) for layer in self.layers]
-                         + [(None, self.counters)])
 
     def _place_counters(self, device: torch.device, batch: int) -> None:
         """(Re)allocate the shared counters `slot`, `position`, `lengths` on ``device`` for ``batch`` rows."""
-        spare_buffers([(None, dict(self.counters))])
         for name, shape, dtype in (("slot", (1,), torch.long), ("position", (), torch.long),
                                    ("lengths", (batch,), torch.int32)):
-            self.counters[name] = static_buffer((None, name), shape, dtype, device)
+            self.counters[name] = static_buffer(shape, dtype, device)
         self.slot, self.position, self.lengths = (self.counters[name] for name in ("slot", "position", "lengths"))
         for layer in self.layers:
             layer.slot, layer.position, layer.lengths = self.slot, self.position, self.lengths
-
-    @staticmethod
-    def drop_spare_buffers() -> None:
-        """Free the buffers that dropped caches left for later ones of the same shapes (`static_buffer`: a new
-        cache takes them, so that a captured step replays at the addresses it was recorded with)."""
-        _SPARE.clear()
 
     def reset(self) -> None:
         """Empty every layer for a new request; the buffers stay (their addresses with them)."""
@@ -407,35 +397,17 @@ class StaticLatentKVCache(LatentKVCache):
         return layer.get_seq_length()
 
 
-# -- static buffers, kept across caches --------------------------------------------------------------------------
-_SPARE: dict[tuple, list[torch.Tensor]] = {}
-"""Buffers of dropped caches by (tag, shape, dtype, device), for the next cache that asks for the same."""
+# -- static buffers ------------------------------------------------------------------------------------------------
+def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new zeroed buffer whose address a captured step may keep, marked a static address for dynamo.
 
-
-def static_buffer(tag: tuple, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer whose address a captured step may keep: a dropped cache's of the same ``tag`` (layer and name),
-    shape, dtype and device when there is one (its contents are stale: every reader writes before it reads), else a
-    new zeroed one; marked a static address for dynamo.
-
-    Why kept: a CUDA graph reads its static inputs at the addresses it was recorded with, and torch's CUDA graph
-    trees (``mode="reduce-overhead"``) record the whole step again for every new address, keeping every recording.
-    Serving each request with a new cache of new buffers would record once per request (and check each step against
-    every earlier recording); with the buffers of the last one, the graph recorded at warm-up replays.
+    A CUDA graph reads its static inputs at the addresses it was recorded with, and torch's CUDA graph trees
+    (``mode="reduce-overhead"``) record the whole step again for every new address, keeping every recording: the
+    cache keeps its buffers across requests (`StaticLatentKVCache.reset`), so the graph recorded at warm-up replays.
     """
-    spare = _SPARE.get((*tag, tuple(shape), dtype, torch.device(device)))
-    if spare:
-        return spare.pop()
     buffer = torch.zeros(shape, dtype=dtype, device=device)
     torch._dynamo.mark_static_address(buffer, guard=False)
     return buffer
-
-
-def spare_buffers(owned: list[tuple[int | None, dict[str, torch.Tensor]]]) -> None:
-    """Keep the buffers ``owned`` (``(layer index, {name: buffer})`` pairs of a cache being dropped) for
-    `static_buffer`."""
-    for layer_idx, buffers in owned:
-        for name, buffer in buffers.items():
-            _SPARE.setdefault((layer_idx, name, tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
 
 
 # -- decisions and stores over several layers at once ----------------------------------------------------------------

@@ -1,10 +1,9 @@
 """`fuse_projections`: each attention's q/k/v projections, and each gated MLP's gate/up projections, as one matrix
 product, without changing any forward.
 
-A decode step at batch 1 reads every weight once, and cuBLAS reads a few large matrices faster than many small ones:
-on the H200, 32 Llama-3.1-8B layers take 4.39 ms as seven products a layer and 3.90 ms as four
-(`profiling/decode_attention.py`). Inductor's freezing fuses them too, but it stores the fused weight transposed,
-and for that layout cuBLAS picks slower split-K kernels (session 17: the frozen captured step 5.87 ms, unfrozen 5.65).
+A decode step at batch 1 reads every weight once, and cuBLAS reads a few large matrices faster than many small ones
+(docs/performance.md, measured by `profiling/decode_attention.py`). Inductor's freezing fuses them too, but it stores
+the fused weight transposed, and for that layout cuBLAS picks slower split-K kernels.
 
 The members of a group (``q_proj``, ``k_proj``, ``v_proj``) become `FusedMember` views of one `FusedLinear`,
 registered on their parent as ``qkv_proj`` (``gate_up_proj``), whose weight holds theirs stacked (no extra copy once

@@ -48,7 +48,7 @@ from flexentropy.integrations import hooks
 from flexentropy.integrations.hooks import CACHE_KWARG, real_tokens
 from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
-from flexentropy.prefill.kernel import COMPILED_DTYPES
+from flexentropy.sparse.kernel import COMPILED_DTYPES
 
 ATTN_IMPLEMENTATION = "flexentropy"
 """The name under which flexentropy is registered in transformers' attention and mask interfaces."""

@@ -16,6 +16,8 @@ from einops import rearrange
 from flexentropy._checks import is_int
 
 SCORE_KINDS = ("softmax", "raw")
+GROUP_MODES = ("mean", "max")
+"""How a KV head combines its group's query heads (`window_attention_scores`)."""
 """``softmax``: mean attention probability (design.md §2 default); ``raw``: the paper's sum of logits (Alg. 4 line
 14)."""
 
@@ -38,6 +40,7 @@ def window_attention_scores(
     kind: Literal["softmax", "raw"] = "softmax",
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
+    group_mode: Literal["mean", "max"] = "mean",
 ) -> torch.Tensor:
     """Importance of every cached key per KV head, from a window of post-RoPE queries (paper Alg. 4 step 2).
 
@@ -58,6 +61,8 @@ def window_attention_scores(
         scale: softmax temperature, default ``1 / sqrt(D)``; ignored by ``"raw"``.
         key_mask: optional bool ``[B, Hkv, T]``: False hides a key from every query (e.g. a left-padding token), as
             if it were not cached (score 0).
+        group_mode: ``"mean"`` combines the group's query heads as above; ``"max"`` scores each query head over the
+            window alone (its mean over the ``W`` queries, or sum for ``"raw"``) and takes the best head.
 
     Returns:
         ``[B, Hkv, T]`` scores, float32 (float64 when the inputs are float64): higher is more important.
@@ -73,6 +78,8 @@ def window_attention_scores(
         raise ValueError(f"query heads ({q_heads}) must be a positive multiple of key/value heads ({kv_heads})")
     if kind not in SCORE_KINDS:
         raise ValueError(f"kind must be one of {SCORE_KINDS}, got {kind!r}")
+    if group_mode not in GROUP_MODES:
+        raise ValueError(f"group_mode must be one of {GROUP_MODES}, got {group_mode!r}")
     _check_positions("query_positions", query_positions, ((window,),))
     _check_positions("key_positions", key_positions, ((length,), (batch, kv_heads, length)))
 
@@ -85,10 +92,12 @@ def window_attention_scores(
     if key_mask is not None:
         visible = visible & key_mask[:, :, None, None, :]
     if kind == "raw":
-        return logits.masked_fill_(~visible, 0.0).sum(dim=(2, 3))
+        per_head = logits.masked_fill_(~visible, 0.0).sum(dim=3)                          # [B, Hkv, G, T]
+        return per_head.sum(dim=2) if group_mode == "mean" else per_head.amax(dim=2)
     logits.mul_(dim**-0.5 if scale is None else scale).masked_fill_(~visible, float("-inf"))
     probs = logits.softmax(dim=-1).masked_fill_(~visible.any(dim=-1, keepdim=True), 0.0)  # sees nothing: adds 0
-    return probs.mean(dim=(2, 3))
+    per_head = probs.mean(dim=3)                                                          # [B, Hkv, G, T]
+    return per_head.mean(dim=2) if group_mode == "mean" else per_head.amax(dim=2)
 
 
 def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from flexentropy.policies.cache.latent import LatentPolicy
 from flexentropy.policies.cache.pyramidkv import PyramidKV
 from flexentropy.policies.cache.snapkv import SnapKV
 from flexentropy.policies.cache.streamingllm import StreamingLLM
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
 from flexentropy.policies.prefill.entropy import EntropyPaperPrefill, EntropyPrefill
@@ -99,11 +99,11 @@ def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
             raise TypeError("pass either a CachePolicy object or a name with knobs, not both")
         return policy
     cls = _lookup(CACHE_POLICIES, "cache", policy)
-    unknown = set(knobs) - {f.name for f in fields(cls)}
+    unknown = set(knobs) - set(cls.knob_names())
     if unknown:
         raise TypeError(f"cache policy {policy!r} has no knob(s) {sorted(unknown)}; its knobs: "
-                        f"{', '.join(f.name for f in fields(cls))}")
-    return cls(**knobs)
+                        f"{', '.join(cls.knob_names())}")
+    return cls.from_knobs(**knobs)
 
 
 __all__ = [

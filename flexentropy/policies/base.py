@@ -2,8 +2,8 @@
 entries survive decoding).
 
 A policy is a frozen dataclass of knobs with defaults, validated on construction (kvpress "presses" style). Policies
-import torch only. A cache policy sees its layer through `flexentropy.policies.layer.LayerView`; the storage that runs
-it (`flexentropy.caches`) depends on the policies, never the reverse (design.md §3).
+import torch only. A cache policy sees its layer through `flexentropy.policies.layer_view.LayerView`; the storage that
+runs it (`flexentropy.caches`) depends on the policies, never the reverse (design.md §3).
 
 Prefill policies map post-RoPE ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` of one layer to a `SparsePlan` run by the
 same FlexAttention kernel (dense plans by SDPA). Cache policies are rules the shared cache consults per layer:
@@ -26,10 +26,10 @@ import torch
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.keep import keep_indices
-from flexentropy.policies.layer import LayerView
-from flexentropy.prefill.attention import sparse_prefill_attention
-from flexentropy.prefill.plan import SparsePlan
+from flexentropy.policies.layer_view import LayerView
 from flexentropy.prefill.selection import dense_plan
+from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 # --------------------------------------------------------------------------------------------------------------
 # prefill
@@ -116,6 +116,16 @@ class CachePolicy:
     ragged: ClassVar[bool] = False
     stats: ClassVar[dict[str, float]] = {}
     accumulates: ClassVar[bool] = False
+
+    @classmethod
+    def knob_names(cls) -> tuple[str, ...]:
+        """The names `from_knobs` takes (e.g. ``("budget", "window")``)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> CachePolicy:
+        """The policy with ``knobs`` (names of `knob_names`), the others at their defaults."""
+        return cls(**knobs)
 
     # -- what the cache needs from the model ----------------------------------------------------------------
     @property

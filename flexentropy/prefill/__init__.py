@@ -1,12 +1,13 @@
-"""Entropy-guided sparse prefill: observation -> entropy -> budgets -> selection -> BlockMask -> kernel."""
+"""The entropy method's sparse prefill: observation -> entropy -> budgets -> selection, a `SparsePlan` run by the
+generic kernel of `flexentropy.sparse`."""
 
 from flexentropy._compile import RecompileLimitError
-from flexentropy.prefill.attention import dense_causal_attention, sparse_prefill_attention
 from flexentropy.prefill.budgets import allocate_budgets
-from flexentropy.prefill.entropy import rigid_heads, segment_entropy
+from flexentropy.prefill.entropies import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import observation_attention
-from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import select_blocks
+from flexentropy.prefill.sparse_prefill import dense_causal_attention, sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 __all__ = [
     "RecompileLimitError",

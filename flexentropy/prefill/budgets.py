@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.prefill.entropy import rigid_heads
+from flexentropy.prefill.entropies import rigid_heads
 
 _EPS = 1e-9
 
@@ -75,6 +75,11 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
     if not isinstance(entropy, torch.Tensor) or entropy.dim() != 3:
         raise ValueError("entropy must be a 3-D tensor [B, Hq, C_S]")
     check_config(config)
+    return fluctuation_budgets(entropy, config)
+
+
+def fluctuation_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+    """`allocate_budgets` on arguments already checked (the selection's own call)."""
     b0 = float(config.base_budget)
     e = entropy.double()
     budgets = torch.full_like(e, b0)

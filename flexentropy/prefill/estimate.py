@@ -92,8 +92,8 @@ PROBE_CHUNK_SCORES = 2**26
 """Most probe scores alive at once in the eager scored path (256 MiB in float32): probe rows are scored in chunks."""
 
 PROBE_CHUNK_SCORES_COMPILED = 2**28
-"""The same for the compiled scored path, which reduces each block's scores in registers: 2**28 took it from 215 ms
-(2**26) to 155 ms per layer at 128k on an H200 (docs/results/probe_cost/probe_seg256.json)."""
+"""The same for the compiled scored path, which reduces each block's scores in registers, so it can score larger
+chunks (docs/performance.md)."""
 
 
 def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None
@@ -125,7 +125,7 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     at most `PROBE_CHUNK_SCORES` scores (`PROBE_CHUNK_SCORES_COMPILED` compiled; `positions_attention`, logits in the
     input dtype, softmax and sums in `compute_dtype`, summed per block through each block's log-sum-exp;
     ``compiled=True`` scores each chunk in one compiled graph); ``kernel=True`` runs `probe_mass_kernel` (compiled
-    ``flex_attention`` on CUDA, no score stored; about 3x faster than the compiled scored path at 128k on an H200,
+    ``flex_attention`` on CUDA, no score stored; faster than the compiled scored path on the GPU,
     docs/performance.md). Selection takes the kernel on CUDA by default (`EntropyConfig.probe_kernel`).
 
     Args:
@@ -186,8 +186,8 @@ def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_siz
     """BlockMask of the probe-mass kernel: batch entry ``c * batch + b`` holds key chunk ``c``; probe row ``i``
     (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`).
 
-    Built eagerly, outside the compiled kernel: built inside a compiled graph with dynamic shapes it made the H200
-    lose up to 28% of a probe's mass (docs/performance.md). The ``mask_mod`` reads its sizes from device tensors
+    Built eagerly, outside the compiled kernel: built inside a compiled graph with dynamic shapes it lost part of a
+    probe's mass on CUDA (docs/performance.md). The ``mask_mod`` reads its sizes from device tensors
     filled without a host-to-device copy, so the compiled kernel neither recompiles per length nor syncs."""
     probes = segment_size // stride
     sizes = torch.stack([torch.full((), value, dtype=torch.int64, device=device)       # fills: no host copy, no sync

@@ -14,10 +14,10 @@ import torch._inductor.exc
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
-from flexentropy.prefill.budgets import MAX_SEGMENTS, allocate_budgets
-from flexentropy.prefill.entropy import rigid_heads, segment_entropy
+from flexentropy.prefill.budgets import MAX_SEGMENTS, fluctuation_budgets
+from flexentropy.prefill.entropies import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
-from flexentropy.prefill.plan import SparsePlan, causal_blocks
+from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 
 def forced_blocks(candidates: torch.Tensor, sink_blocks: int, local_blocks: int,
@@ -191,7 +191,7 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig,
     """``(blocks, budgets, entropy, rigid)`` from a layer's observation: entropy, budgets and the top-k."""
     entropy = segment_entropy(a_obs, normalise=config.observation == "probe")
     coverage = config.budget_rule == "coverage"
-    budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
+    budgets = coverage_budgets(a_obs, config) if coverage else fluctuation_budgets(entropy, config)
     blocks = block_table(a_obs, budgets, config, seq_len)
     return blocks, budgets, entropy, rigid_heads(entropy, config.entropy_threshold)
 
@@ -250,9 +250,16 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     check_qk(q, k)
     check_layer_idx(layer_idx)
     check_config(config)
-    n = q.shape[-2]
-    if config.is_dense_layer(layer_idx, n):
+    if config.is_dense_layer(layer_idx, q.shape[-2]):
         return dense_plan(q, config)
+    return plan_blocks(q, k, config, compiled=compiled)
+
+
+def plan_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, *, compiled: bool | None = None
+                ) -> SparsePlan:
+    """The sparse plan of `select_blocks` for a layer that goes sparse, on arguments already checked (the callers
+    check them at their own entry: `sparse_prefill_attention`, `PrefillPolicy.plan`)."""
+    n = q.shape[-2]
     if -(-n // config.segment_size) > MAX_SEGMENTS:
         raise ValueError(f"N={n} gives more than {MAX_SEGMENTS} segments of {config.segment_size}; "
                          "raise segment_size")

@@ -24,7 +24,7 @@ from mass_study import block_mass, capture, dense_rows, output_error, study_argu
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
-from flexentropy.prefill.plan import causal_blocks  # noqa: E402
+from flexentropy.sparse.plan import causal_blocks  # noqa: E402
 
 GEOMETRIES = [(512, 128, 16), (256, 128, 16), (256, 128, 8), (256, 64, 16), (512, 64, 16), (256, 64, 8), (128, 64, 8)]
 """(segment size, key block size, probes per segment)."""

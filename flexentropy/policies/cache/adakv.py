@@ -11,7 +11,7 @@ import torch
 from flexentropy._checks import check_number
 from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.cache.snapkv import SnapKV
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
 
 def adaptive_keep(scores: torch.Tensor, budget: int, window: int, safeguard: float) -> torch.Tensor:

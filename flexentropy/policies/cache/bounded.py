@@ -26,7 +26,7 @@ import torch
 from flexentropy._checks import check_int
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.infokv import InfoScoring, fused_scores
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
 
 @dataclass(frozen=True)

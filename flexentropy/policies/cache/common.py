@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from flexentropy.kv.scoring import pool_scores, spread_forward, window_attention_scores
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
 
-def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1, span: int = 0) -> torch.Tensor:
+def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1, span: int = 0,
+                  group_mode: str = "mean") -> torch.Tensor:
     """``[B, Hkv, S]`` importance of the stored entries under the layer's query window (SnapKV / design.md §2 scoring):
-    mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits),
-    then average pooling of width ``pool``, then spread forward over ``span`` entries (`spread_forward`)."""
+    mean softmax attention over the window's queries and the group's query heads (``kind="raw"``: summed logits;
+    ``group_mode="max"``: the best query head's), then average pooling of width ``pool``, then spread forward over
+    ``span`` entries (`spread_forward`)."""
     scores = window_attention_scores(layer.window, layer.keys, query_positions=layer.window_positions(),
-                                     key_positions=layer.key_positions(), kind=kind, key_mask=layer.real_entries())
+                                     key_positions=layer.key_positions(), kind=kind, key_mask=layer.real_entries(),
+                                     group_mode=group_mode)
     return spread_forward(pool_scores(scores, pool), span)
 
 

@@ -3,29 +3,28 @@ sec. 4.3, Alg. 4). Its storage is `flexentropy.caches.LatentKVCache`, built from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from flexentropy.config import EntropyConfig
+from flexentropy.config import EntropyConfig, check_config
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
-CONFIG_FIELDS = {"budget": "decode_budget", "window": "decode_window", "delay": "decode_delay", "pool": "decode_pool",
-                 "span": "decode_span", "score": "decode_score", "recompress_every": "recompress_every"}
-"""Knob -> the `EntropyConfig` field that is its home (default, validation, documentation)."""
-
-_DEFAULTS = EntropyConfig()
+KNOBS = {"budget": "decode_budget", "window": "decode_window", "delay": "decode_delay", "pool": "decode_pool",
+         "span": "decode_span", "score": "decode_score", "group": "decode_group",
+         "recompress_every": "recompress_every"}
+"""Knob -> the `EntropyConfig` field that is its one home (default, validation, documentation)."""
 
 
 @dataclass(frozen=True)
 class LatentPolicy(CachePolicy):
     """Full cache through prefill and ``delay`` generated tokens, then keep the query window's own entries and the
     best others by window attention, ``budget`` per KV head; with ``recompress_every = R`` again whenever
-    ``budget + R`` are stored. The knobs are `EntropyConfig`'s ``decode_*`` fields under short names
-    (`CONFIG_FIELDS`): same defaults, validated by it."""
+    ``budget + R`` are stored. Its knobs are `EntropyConfig`'s ``decode_*`` fields, read from ``config`` under
+    short names (`KNOBS`); ``LatentPolicy.from_knobs(budget=512)`` sets them."""
 
     name = "latent"
     paper = "EntropyInfer (From Rigid to Dynamic, 2026), sec. 4.3, Alg. 4"
@@ -34,24 +33,29 @@ class LatentPolicy(CachePolicy):
     decides = ("after `delay` generated tokens (window includes them), then whenever `budget + recompress_every` are "
                "stored (None: once, as the paper)")
 
-    budget: int = _DEFAULTS.decode_budget
-    window: int = _DEFAULTS.decode_window
-    delay: int = _DEFAULTS.decode_delay
-    pool: int = _DEFAULTS.decode_pool
-    span: int = _DEFAULTS.decode_span
-    score: Literal["softmax", "raw"] = _DEFAULTS.decode_score
-    recompress_every: int | None = _DEFAULTS.recompress_every
+    config: EntropyConfig = field(default_factory=EntropyConfig)
 
     def __post_init__(self) -> None:
-        self.to_config()  # validates every knob
+        check_config(self.config, "LatentPolicy")
 
     @classmethod
-    def from_config(cls, config: EntropyConfig) -> LatentPolicy:
-        return cls(**{knob: getattr(config, field) for knob, field in CONFIG_FIELDS.items()})
+    def knob_names(cls) -> tuple[str, ...]:
+        return (*KNOBS, "config")
 
-    def to_config(self, config: EntropyConfig | None = None) -> EntropyConfig:
-        """``config`` (default ``EntropyConfig()``) with this policy's ``decode_*`` knobs."""
-        return (config or _DEFAULTS).replace(**{CONFIG_FIELDS[f.name]: getattr(self, f.name) for f in fields(self)})
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> LatentPolicy:
+        """``config`` (default ``EntropyConfig()``) with the short-named knobs set, e.g. ``budget=512``."""
+        config = check_config(knobs.pop("config", None), "LatentPolicy", optional=True)
+        return cls(config.replace(**{KNOBS[name]: value for name, value in knobs.items()}))
+
+    budget = property(lambda self: self.config.decode_budget, doc="``EntropyConfig.decode_budget``.")
+    window = property(lambda self: self.config.decode_window, doc="``EntropyConfig.decode_window``.")
+    delay = property(lambda self: self.config.decode_delay, doc="``EntropyConfig.decode_delay``.")
+    pool = property(lambda self: self.config.decode_pool, doc="``EntropyConfig.decode_pool``.")
+    span = property(lambda self: self.config.decode_span, doc="``EntropyConfig.decode_span``.")
+    score = property(lambda self: self.config.decode_score, doc="``EntropyConfig.decode_score``.")
+    group = property(lambda self: self.config.decode_group, doc="``EntropyConfig.decode_group``.")
+    recompress_every = property(lambda self: self.config.recompress_every, doc="``EntropyConfig.recompress_every``.")
 
     @property
     def query_window(self) -> int:
@@ -67,7 +71,7 @@ class LatentPolicy(CachePolicy):
         return self.budget if every is not None and layer.stored >= self.budget + every else None
 
     def scores(self, layer: LayerView) -> torch.Tensor:
-        return window_scores(layer, self.score, self.pool, self.span)
+        return window_scores(layer, self.score, self.pool, self.span, self.group)
 
     def forced(self, layer: LayerView, incoming: int) -> int:
         return window_entries(layer)

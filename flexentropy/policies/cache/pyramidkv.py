@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flexentropy._checks import check_number
 from flexentropy.policies.cache.snapkv import SnapKV
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_length: int | None = None

@@ -10,7 +10,7 @@ import torch
 from flexentropy._checks import check_int, check_odd
 from flexentropy.policies.base import CachePolicy
 from flexentropy.policies.cache.common import window_entries, window_scores
-from flexentropy.policies.layer import LayerView
+from flexentropy.policies.layer_view import LayerView
 
 
 @dataclass(frozen=True)

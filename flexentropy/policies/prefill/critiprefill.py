@@ -16,8 +16,8 @@ import torch
 
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.observation import OBSERVATIONS
-from flexentropy.prefill.plan import SparsePlan
-from flexentropy.prefill.selection import select_blocks
+from flexentropy.prefill.selection import plan_blocks
+from flexentropy.sparse.plan import SparsePlan
 
 EVERY_HEAD_RIGID = 1e30
 """An entropy threshold above any segment entropy (rows of A_obs sum to at most 2, so entropies are below
@@ -44,8 +44,8 @@ class CritiPrefill(PrefillPolicy):
         if self.observation not in OBSERVATIONS:
             raise ValueError(f"CritiPrefill.observation must be one of {OBSERVATIONS}, got {self.observation!r}")
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
-        """`select_blocks` with every head rigid: budgets ``B_0`` everywhere (``plan.rigid`` all True)."""
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+        """`select_blocks`'s plan with every head rigid: budgets ``B_0`` everywhere (``plan.rigid`` all True)."""
         config = self.config.replace(observation=self.observation, budget_rule="fluctuation",
                                      entropy_threshold=EVERY_HEAD_RIGID)
-        return select_blocks(q, k, config, layer_idx)
+        return plan_blocks(q, k, config)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import dense_plan
+from flexentropy.sparse.plan import SparsePlan
 
 
 @dataclass(frozen=True)

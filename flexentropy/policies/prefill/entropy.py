@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.plan import SparsePlan
-from flexentropy.prefill.selection import select_blocks
+from flexentropy.prefill.selection import plan_blocks
+from flexentropy.sparse.plan import SparsePlan
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,9 @@ class EntropyPrefill(PrefillPolicy):
     keeps = "own segment, sink/local blocks, top-k blocks by A_obs with k per (head, segment) from entropy"
     per_head = True
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
-        """`select_blocks` (design.md §1.1-1.5)."""
-        return select_blocks(q, k, self.config, layer_idx)
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+        """`select_blocks`'s plan (design.md §1.1-1.5)."""
+        return plan_blocks(q, k, self.config)
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,6 @@ class EntropyPaperPrefill(EntropyPrefill):
     name = "entropy_paper"
     keeps = "own segment, sink/local blocks, top-k blocks by Alg. 2's A_obs with k per (head, segment) from Alg. 3"
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int = 1) -> SparsePlan:
-        """`select_blocks` with ``observation="paper"`` and ``budget_rule="fluctuation"``."""
-        return select_blocks(q, k, self.config.replace(observation="paper", budget_rule="fluctuation"), layer_idx)
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+        """`select_blocks`'s plan with ``observation="paper"`` and ``budget_rule="fluctuation"``."""
+        return plan_blocks(q, k, self.config.replace(observation="paper", budget_rule="fluctuation"))

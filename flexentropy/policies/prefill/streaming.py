@@ -9,8 +9,8 @@ import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import block_table
+from flexentropy.sparse.plan import SparsePlan
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from flexentropy._checks import check_int
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import block_sums, last_queries_attention
-from flexentropy.prefill.plan import SparsePlan
 from flexentropy.prefill.selection import query_block_table, top_k_mask
+from flexentropy.sparse.plan import SparsePlan
 
 LAST_QUERIES = 64
 """Queries whose attention picks the pattern (MInference's ``last_q``)."""

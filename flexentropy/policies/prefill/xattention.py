@@ -13,8 +13,8 @@ from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
 from flexentropy.prefill.estimate import compute_dtype
-from flexentropy.prefill.plan import SparsePlan, causal_blocks
 from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table
+from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 CHUNK_SCORES = 2**28
 """Most stride-level scores alive at once while scoring (1 GiB in float32): query tiles are scored in chunks."""

@@ -1,8 +1,8 @@
 """Block-sparse attention kernel: ``flex_attention`` over a `SparsePlan`, compiled once for every length.
 
 The BlockMask is built *inside* the compiled region from the plan's tensors, and the region is compiled with
-``dynamic=True``, so a new sequence length reuses the same graph instead of recompiling (each CPU compile costs
-~15 s; past ``torch._dynamo.config.recompile_limit`` recompiles, flex would silently fall back to the eager
+``dynamic=True``, so a new sequence length reuses the same graph instead of recompiling (each compile costs
+seconds; past ``torch._dynamo.config.recompile_limit`` recompiles, flex would silently fall back to the eager
 path that materialises every score: an out-of-memory at long N). Hitting the limit raises instead.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexentropy._compile import no_silent_fallback
-from flexentropy.prefill.plan import SparsePlan, block_mask_tensors, make_block_mask
+from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, make_block_mask
 
 COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes of the compiled kernel (Inductor has no float64 FlexAttention)."""
@@ -37,7 +37,7 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, object] | None:
     """flex ``kernel_options`` for ``backend`` (``"auto"``, ``"triton"``, ``"flash"``) on ``device``.
 
-    ``"auto"`` picks FLASH (flash-attn-4, ~1.4x faster than Triton on H100/H200) where it can run: CUDA,
+    ``"auto"`` picks FLASH (flash-attn-4, the faster kernel on Hopper GPUs: docs/performance.md) where it can run: CUDA,
     16-bit inputs, ``block_size == 128``, flash-attn-4 importable; otherwise Triton (or the CPU kernel).
     Triton's default tile for head dim 64 is 128 keys wide, which a 64-key block cannot hold: below 128 the tile
     width (``BLOCK_N``) is pinned to the block size.

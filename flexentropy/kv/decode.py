@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexentropy.prefill.kernel import flash_available
+from flexentropy.sparse.kernel import flash_available
 
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-"""SDPA backends for decoding. Not cuDNN: on the H200 (torch 2.11) SDPA picks it for GQA decoding and it builds a
-plan for every new KV length, 37-58 ms per token, against 0.08-0.1 ms for flash (measured 2026-11-29). Not
-memory-efficient attention: it has no GQA. Flash takes ``q_len = 1``; masked multi-token steps fall back to math."""
+"""SDPA backends for decoding. Not cuDNN: SDPA picks it for GQA decoding on CUDA (torch 2.11), and it builds a plan
+for every new KV length, which costs far more than the step (docs/performance.md). Not memory-efficient attention:
+it has no GQA. Flash takes ``q_len = 1``; masked multi-token steps fall back to math."""
 
 
 def flash_decode_usable(kernel: str, keys: torch.Tensor, padded: bool) -> bool:

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from flexentropy._checks import check_layer_idx, check_number, check_qk
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.prefill.kernel import run_plan
-from flexentropy.prefill.plan import SparsePlan
-from flexentropy.prefill.selection import select_blocks
+from flexentropy.prefill.selection import plan_blocks
+from flexentropy.sparse.kernel import run_plan
+from flexentropy.sparse.plan import SparsePlan
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -24,7 +24,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Entropy-guided block-sparse causal attention over a prompt (paper sec. 4.2).
 
     Dense layers (``layer_idx in config.dense_layers``) and short prompts (``N <= config.dense_prefix``) run
-    causal SDPA. Otherwise `select_blocks` plans the layer and compiled ``flex_attention`` runs the plan.
+    causal SDPA. Otherwise the layer is planned as by `select_blocks` and compiled ``flex_attention`` runs the plan.
 
     Args:
         q: ``[B, Hq, N, D]`` post-RoPE queries; k, v: ``[B, Hkv, N, D]``.
@@ -52,7 +52,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if plan is None:
         if config.is_dense_layer(layer_idx, n):
             return dense_causal_attention(q, k, v, scale)
-        plan = select_blocks(q, k, config, layer_idx)
+        plan = plan_blocks(q, k, config)
     elif plan.seq_len != n or plan.blocks.shape[:2] != q.shape[:2]:
         raise ValueError(f"plan is for N={plan.seq_len}, batch/heads {tuple(plan.blocks.shape[:2])} but q is "
                          f"{tuple(q.shape)}")

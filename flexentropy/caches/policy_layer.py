@@ -27,7 +27,8 @@ from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
 from flexentropy.policies.base import CachePolicy
 
 
-def _nbytes(*tensors: torch.Tensor | None) -> int:
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by ``tensors`` (None skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -429,4 +430,4 @@ class PolicyLayer(CacheLayerMixin):
         """Bytes held: stored keys and values (ragged part included), their positions and statistics, the query
         window."""
         ragged = () if self.ragged is None else tuple(self.ragged)
-        return _nbytes(self.keys, self.values, self._kept, self.window, *self.stats.values(), *ragged)
+        return tensor_bytes(self.keys, self.values, self._kept, self.window, *self.stats.values(), *ragged)

@@ -46,7 +46,7 @@ import torch
 from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.caches.policy_layer import PolicyLayer, _nbytes, nan_entries
+from flexentropy.caches.policy_layer import PolicyLayer, nan_entries, tensor_bytes
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode import decode_attention, flash_decode, flash_decode_usable, grouped_attention
 
@@ -220,7 +220,7 @@ class StaticLatentLayer(PolicyLayer):
         """Bytes held: the buffers once static (their full capacity), else `PolicyLayer.nbytes`."""
         if not self.static:
             return super().nbytes()
-        return _nbytes(self._kept, *self.buffers.values())
+        return tensor_bytes(self._kept, *self.buffers.values())
 
 
 class StaticLatentKVCache(LatentKVCache):
@@ -455,7 +455,7 @@ def decide_together(layers: Sequence[StaticLatentLayer], target: int, incoming: 
     then loaded back (`PolicyLayer.split_decision`) and its entries stored (`store_entries`).
 
     The latent policy's rule is per (batch row, KV head), so each layer keeps what it would keep alone: the work is
-    the same, in one set of kernel launches instead of one per layer (docs/performance.md, "Recompression").
+    the same, in one set of kernel launches instead of one per layer (docs/performance.md, session 18).
     """
     count = len(layers)
     view = PolicyLayer.stacked(layers)

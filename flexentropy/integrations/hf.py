@@ -198,9 +198,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     Gives the model its own copy of its transformers config (another model built from the same config object keeps
     its attention and settings), sets ``attn_implementation="flexentropy"`` there, stores ``config`` and ``prefill``
     on ``model.config.flexentropy`` (a record for ``save_pretrained``: the layers read their settings from `enable`,
-    so editing that dict later changes nothing) and on every attention module, and registers the pre-hook that
-    hands the cache argument (e.g. a `LatentKVCache`) to the attention function. Calling it again replaces the
-    settings.
+    so editing that dict later changes nothing) and on every attention module, and installs the hooks of
+    `flexentropy.integrations.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
+    to the attention function). Calling it again replaces the settings; `disable` undoes it.
 
     Args:
         model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).

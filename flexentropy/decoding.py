@@ -152,7 +152,8 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
             compiles only with one whose ``_compile_all_devices`` is set).
         loop: warm `greedy_generate` instead of ``generate``.
-        cache: the `StaticLatentKVCache` that will serve (default: a new one, dropped after the warm-up).
+        cache: the `StaticLatentKVCache` that will serve (default: a new one for all lengths, dropped after the
+            warm-up).
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -175,10 +176,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}
+    serving = StaticLatentKVCache(config, model=model) if cache is None else cache
     seconds = {}
     for length in lengths:
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
-        serving = StaticLatentKVCache(config, model=model) if cache is None else cache
         serving.reset()
         start_time = time.perf_counter()
         if loop:
@@ -190,6 +191,5 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         seconds[length] = time.perf_counter() - start_time
-    if cache is not None:
-        cache.reset()
+    serving.reset()
     return seconds

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, is_number, label
 
 Q_BLOCK_SIZE = 128
+OBSERVATIONS = ("paper", "critiprefill", "probe", "pooled")
+"""The prefill observations (`EntropyConfig.observation`, `flexentropy.prefill.observation_attention`)."""
+MASS_OBSERVATIONS = ("probe", "pooled")
+"""Observations whose row is the probes' attention mass over the candidate blocks, not a distribution over them."""
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 BACKENDS = ("auto", "triton", "flash")
@@ -71,11 +75,14 @@ class EntropyConfig:
             (docs/quality.md).
         fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
         observation: ``"probe"`` (default: the true attention of ``probes`` strided queries per segment;
-            design.md §1.2b), ``"paper"`` (Alg. 2: max of two averaged softmaxes of representatives) or
-            ``"critiprefill"`` (one softmax).
+            design.md §1.2b), ``"pooled"`` (the same probes against one mean key per block: ``block_size``
+            times cheaper, an estimate; design.md §1.2c), ``"paper"`` (Alg. 2: max of two averaged softmaxes of
+            representatives) or ``"critiprefill"`` (one softmax).
         observation_scale: factor on the observation's logits: the representatives' products for ``"paper"`` and
-            ``"critiprefill"`` (paper: 1.0, no 1/sqrt(D)); the attention's own ``q.k / sqrt(D)`` for ``"probe"``.
-        probes: probe queries per segment of the ``"probe"`` observation (a divisor of ``segment_size``).
+            ``"critiprefill"`` (paper: 1.0, no 1/sqrt(D)); the attention's own ``q.k / sqrt(D)`` for ``"probe"`` and
+            ``"pooled"``.
+        probes: probe queries per segment of the ``"probe"`` and ``"pooled"`` observations (a divisor of
+            ``segment_size``).
         probe_kernel: compute the probes' block masses with compiled flex attention, no score stored
             (`probe_mass_kernel`), or (False) by scoring probe rows in chunks; the same masses. ``None`` (default):
             the kernel on CUDA outside an enclosing ``torch.compile`` (the faster one there, docs/performance.md),
@@ -120,7 +127,7 @@ class EntropyConfig:
     fluctuation: Literal["abs", "signed"] = "abs"
     budget_rule: Literal["fluctuation", "coverage"] = "coverage"
     coverage: float | tuple[float, float] = (0.8, 0.6)
-    observation: Literal["paper", "critiprefill", "probe"] = "probe"
+    observation: Literal["paper", "critiprefill", "probe", "pooled"] = "probe"
     observation_scale: float = 1.0
     probes: int = 16
     probe_kernel: bool | None = None
@@ -168,7 +175,7 @@ class EntropyConfig:
                         f"got {type(self.coverage).__name__} {self.coverage!r}")
         for value in self.coverage if pair else (self.coverage,):
             check_number(owner, "coverage", value, 0, 1, open_low=True)
-        check_choice(owner, "observation", self.observation, ("paper", "critiprefill", "probe"))
+        check_choice(owner, "observation", self.observation, OBSERVATIONS)
         check_int(owner, "probes", self.probes, 1)
         if self.segment_size % self.probes:
             raise ValueError(f"EntropyConfig.probes must divide segment_size={self.segment_size}, got {self.probes}")

@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budget", type=float, default=2048)
-    p.add_argument("--observation", choices=["probe", "paper"], default="probe",
-                   help="probe: the default's observation; paper: Alg. 2's representatives (budgets fixed either way)")
+    p.add_argument("--observation", choices=["probe", "pooled", "paper"], default="probe",
+                   help="probe: the default's observation; pooled: the probes against one mean key per block; paper: "
+                        "Alg. 2's representatives (budgets fixed either way)")
     p.add_argument("--inputs", choices=["random", "structured"], nargs="+", default=["random", "structured"])
     p.add_argument("--backend", choices=["auto", "triton", "flash"], default="auto")
     p.add_argument("--baselines", nargs="*", choices=["cudnn", "flash", "flex"], default=["cudnn", "flash", "flex"],

@@ -100,15 +100,15 @@ def observation_attention(
     ``A_obs = max((softmax(S1) + softmax(S2)) / 2, (softmax(S3) + softmax(S4)) / 2)``, not renormalised.
     ``observation="critiprefill"``: ``A_obs = softmax(max((S1 + S3) / 2, (S2 + S4) / 2))`` over the candidates.
 
-    ``observation="probe"`` (design.md §1.2b): :func:`probe_observation`.
+    ``observation="probe"`` (design.md §1.2b) and ``"pooled"`` (§1.2c): :func:`probe_observation`.
 
     Candidates of ``s`` are the key blocks with ``(j + 1) * block_size <= s * segment_size``; every other entry
     (in particular the whole row of segment 0) is exactly 0.
     """
-    if observation == "probe":
-        return probe_observation(q, k, segment_size, block_size, probes, scale, dtype)
+    if observation in ("probe", "pooled"):
+        return probe_observation(q, k, segment_size, block_size, probes, scale, dtype, pooled=observation == "pooled")
     if observation not in ("paper", "critiprefill"):
-        raise ValueError(f"observation must be 'paper', 'critiprefill' or 'probe', got {observation!r}")
+        raise ValueError(f"observation must be 'paper', 'critiprefill', 'probe' or 'pooled', got {observation!r}")
     group = _check_qk(q, k)
     batch, q_heads, n, _ = q.shape
     num_segments = _ceil_div(n, segment_size)
@@ -144,12 +144,15 @@ def observation_attention(
 
 
 def probe_observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
-                      scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The ``"probe"`` observation ``[B, Hq, C_S, C_B]`` (design.md §1.2b), computed in ``dtype``.
+                      scale: float, dtype: torch.dtype = torch.float64, *, pooled: bool = False) -> torch.Tensor:
+    """The ``"probe"`` observation ``[B, Hq, C_S, C_B]`` (design.md §1.2b), or with ``pooled`` the ``"pooled"`` one
+    (§1.2c), computed in ``dtype``.
 
     Segment ``s`` has the probe queries ``i_p = min(s L_S + (p + 1) L_S / probes - 1, N - 1)``, ``p < probes``. Each
     probe's attention is the softmax of ``scale * q[i_p].k[t] / sqrt(D)`` over the keys ``t <= i_p``; ``A[s, j]`` is
     the mean over the probes of the probability mass on key block ``j``, for candidate blocks ``j``; 0 elsewhere.
+    ``pooled``: the probe sees each key block ``j`` as ``n_j`` copies of the mean of the block's ``n_j`` keys up to
+    ``i_p``.
     """
     group = _check_qk(q, k)
     batch, q_heads, n, dim = q.shape
@@ -162,7 +165,12 @@ def probe_observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
                 cand = candidate_blocks(s, segment_size, block_size, num_blocks)
                 for p in range(probes):
                     i = min(s * segment_size + (p + 1) * (segment_size // probes) - 1, n - 1)
-                    weights = torch.softmax(keys[: i + 1] @ q[b, h, i].to(dtype) * scale / math.sqrt(dim), dim=-1)
+                    seen = keys[: i + 1]
+                    if pooled:   # each key replaced by the mean of its block's keys that the probe sees
+                        block_of = torch.arange(i + 1, device=q.device) // block_size
+                        sums = torch.zeros(num_blocks, dim, dtype=dtype, device=q.device).index_add_(0, block_of, seen)
+                        seen = (sums / torch.bincount(block_of, minlength=num_blocks).clamp_min(1)[:, None])[block_of]
+                    weights = torch.softmax(seen @ q[b, h, i].to(dtype) * scale / math.sqrt(dim), dim=-1)
                     for j in cand:
                         a_obs[b, h, s, j] += weights[j * block_size:(j + 1) * block_size].sum() / probes
     return a_obs
@@ -271,7 +279,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
                           if j < config.sink_blocks or first_block - config.local_blocks <= j < first_block]
                 rest = sorted((j for j in cand if j not in forced), key=lambda j: (-a_obs[b, h, s, j].item(), j))
                 row = a_obs[b, h, s].double()
-                total = 1.0 if config.observation == "probe" else row.sum().item()
+                total = 1.0 if config.observation in ("probe", "pooled") else row.sum().item()
                 taken = sum(row[j].item() for j in forced) + total - row.sum().item()
                 count = 0
                 for j in rest:
@@ -378,7 +386,8 @@ def select_blocks(
 
     a_obs = observation_attention(q, k, seg_size, blk_size, observation=config.observation,
                                   scale=config.observation_scale, probes=config.probes, dtype=dtype)
-    normalised = a_obs / a_obs.sum(dim=-1, keepdim=True).clamp_min(1e-30) if config.observation == "probe" else a_obs
+    mass_rows = config.observation in ("probe", "pooled")
+    normalised = a_obs / a_obs.sum(dim=-1, keepdim=True).clamp_min(1e-30) if mass_rows else a_obs
     entropy = segment_entropy(normalised, dtype=dtype)
     coverage = config.budget_rule == "coverage"
     budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)

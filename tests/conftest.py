@@ -63,7 +63,7 @@ def prefill_case(draw: st.DrawFn, max_n: int = 3000, dims: tuple[int, ...] = (16
         budget_rule=draw(st.sampled_from(["fluctuation", "coverage"])),
         # not 0.5: saturated rows are multiples of 1/4; a pair is its first value at these lengths (tensor path)
         coverage=draw(st.sampled_from([0.6, 0.9, 1.0, (0.9, 0.6), (1.0, 0.6)])),
-        observation=draw(st.sampled_from(["paper", "critiprefill", "probe"])),
+        observation=draw(st.sampled_from(["paper", "critiprefill", "probe", "pooled"])),
         probes=draw(st.sampled_from([4, 8])),
         observation_scale=draw(st.sampled_from([1.0, 0.125])),
         sink_blocks=draw(st.integers(0, 2)),

@@ -21,12 +21,12 @@ N, HQ, HKV, D = 16384, 8, 2, 64
 def _budgets(cfg: fe.EntropyConfig, a_obs: torch.Tensor) -> torch.Tensor:
     if cfg.budget_rule == "coverage":
         return coverage_budgets(a_obs, cfg)
-    return allocate_budgets(segment_entropy(a_obs, normalise=cfg.observation == "probe"), cfg)
+    return allocate_budgets(segment_entropy(a_obs, normalise=cfg.observation in ("probe", "pooled")), cfg)
 
 
 def _stages(cfg: fe.EntropyConfig, q: torch.Tensor, k: torch.Tensor) -> dict:
     a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale, cfg.probes)
-    entropy = segment_entropy(a_obs, normalise=cfg.observation == "probe")
+    entropy = segment_entropy(a_obs, normalise=cfg.observation in ("probe", "pooled"))
     budgets = _budgets(cfg, a_obs)
     blocks = block_table(a_obs, budgets, cfg, N)
     return {"q": q, "k": k, "cfg": cfg, "a_obs": a_obs, "entropy": entropy, "budgets": budgets, "blocks": blocks}

@@ -128,7 +128,8 @@ def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig, dtype: torch.d
         clear[..., s] = gap_ok & (boundary_ok | (budgets[..., s] == cfg.base_budget))
         if cfg.budget_rule == "coverage":
             row = a[..., s, :].sum(dim=-1)
-            total = torch.ones_like(row) if cfg.observation == "probe" else row   # a probe row's rest is kept
+            mass_row = cfg.observation in ("probe", "pooled")   # a probe row's rest is kept
+            total = torch.ones_like(row) if mass_row else row
             forced_mass = total - a[..., s, free].sum(dim=-1)
             clear[..., s] &= _coverage_clear(scores, forced_mass, total, cfg, num_blocks * cfg.block_size,
                                              0.02 if rough else 1e-4)
@@ -377,6 +378,32 @@ def test_triton_tile_fits_a_64_key_block() -> None:
     assert kernel_options("auto", cuda, 64, torch.float32) == {"BLOCK_N": 64}
     assert kernel_options("triton", cuda, 128, torch.bfloat16) is None
     assert kernel_options("auto", torch.device("cpu"), 64) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 1400), dim=st.sampled_from([16, 32]), group=st.sampled_from([1, 2]),
+       probes=st.sampled_from([4, 16]), block=st.sampled_from([64, 128]), scale=st.sampled_from([0.5, 1.0]),
+       chunk=st.sampled_from([2**8, 2**26]), seed=st.integers(0, 2**16))
+def test_pooled_block_mass_matches_oracle(n: int, dim: int, group: int, probes: int, block: int, scale: float,
+                                          chunk: int, seed: int) -> None:
+    """`pooled_block_mass` is the float64 oracle's pooled probe (every block as copies of its mean key up to the
+    probe) on the candidate blocks, over ragged N, GQA and several chunks of probe rows; with the keys of every block
+    equal it is the exact probe mass of `probe_block_mass`, and its rows sum to 1."""
+    from flexentropy.prefill import estimate
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2
+    k = torch.randn(1, 2, n, dim, generator=gen) * 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(estimate, "PROBE_CHUNK_SCORES", chunk)
+        pooled = estimate.pooled_block_mass(q, k, 256, block, probes, scale)
+        flat = k[:, :, ::block].repeat_interleave(block, 2)[:, :, :n]
+        same = estimate.pooled_block_mass(q, flat, 256, block, probes, scale)
+    oracle = reference.prefill.probe_observation(q, k, 256, block, probes, scale, pooled=True)
+    torch.testing.assert_close((pooled * (oracle != 0)).double(), oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pooled.sum(-1), torch.ones_like(pooled[..., 0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(same, estimate.probe_block_mass(q, flat, 256, block, probes, scale), atol=1e-5,
+                               rtol=1e-4)
 
 
 @settings(max_examples=25, deadline=None)

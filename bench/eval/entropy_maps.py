@@ -22,7 +22,7 @@ import torch
 from bench.eval.capture import LayerQKV
 from bench.eval.metrics import spearman
 from bench.eval.plotting import pyplot, save
-from flexentropy.config import EntropyConfig
+from flexentropy.config import MASS_OBSERVATIONS, EntropyConfig
 from flexentropy.prefill import allocate_budgets, observation_attention, segment_entropy
 
 QUANTILES = (0.1, 0.25, 0.5)
@@ -36,7 +36,7 @@ def entropy_profile(layers: list[LayerQKV], config: EntropyConfig) -> torch.Tens
         a_obs = observation_attention(layer.q, layer.k, config.segment_size, config.block_size,
                                       observation=config.observation, scale=config.observation_scale,
                                       probes=config.probes)
-        rows.append(segment_entropy(a_obs, normalise=config.observation == "probe")[0])
+        rows.append(segment_entropy(a_obs, normalise=config.observation in MASS_OBSERVATIONS)[0])
     return torch.stack(rows)
 
 

@@ -10,7 +10,7 @@ def segment_entropy(a_obs: torch.Tensor, *, normalise: bool = False) -> torch.Te
 
     Args:
         a_obs: ``[B, Hq, C_S, C_B]`` from `observation_attention`.
-        normalise: divide each row by its sum first (a ``"probe"`` row is mass, not a distribution).
+        normalise: divide each row by its sum first (a ``"probe"`` or ``"pooled"`` row is mass, not a distribution).
 
     Returns:
         float32 ``[B, Hq, C_S]``: ``e[h, s] = -sum_j a[h, s, j] ln a[h, s, j]``.

@@ -153,6 +153,49 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     return mass.mean(dim=-2)
 
 
+def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
+                      scale: float = 1.0) -> torch.Tensor:
+    """Estimate of `probe_block_mass` with one pooled key per block: the same probe queries (`probe_positions`), but
+    a probe scores each key block it sees by the mean of the block's keys it sees, logit ``scale * q.mean_k /
+    sqrt(D) + log(count)`` (the block's log-sum-exp if its keys' logits were equal; lower by Jensen's inequality
+    otherwise), and its mass per block is the softmax over those logits, averaged over the segment's probes.
+
+    Compute ``~N^2 D probes / (2 L_S L_B)`` multiply-adds per head (``L_B`` times less than `probe_block_mass`); no
+    ``N x N`` tensor: probe rows go in chunks of at most `PROBE_CHUNK_SCORES` block scores.
+
+    Args:
+        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
+
+    Returns:
+        ``[B, Hq, C_S, C_B]`` in `compute_dtype`; a row sums to 1 over the blocks up to its segment's last probe.
+    """
+    batch, q_heads, n, dim = q.shape
+    group, dtype = q_heads // k.shape[1], compute_dtype(q.dtype)
+    means = block_means(k, block_size)                                                    # [B, Hkv, C_B, D]
+    num_blocks = means.shape[-2]
+    # the keys of its own block a probe sees: a prefix of the block, as a running sum within each block
+    within = rearrange(F.pad(k.to(dtype), (0, 0, 0, num_blocks * block_size - n)), "b h (c s) d -> b h c s d",
+                       s=block_size).cumsum(dim=-2).flatten(2, 3)                         # [B, Hkv, C_B * L_B, D]
+    positions = probe_positions(n, segment_size, probes, q.device).flatten()             # [R]
+    step = scale / math.sqrt(dim)
+    per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * num_blocks) // probes * probes)
+    masses = []
+    for start in range(0, positions.shape[0], per_chunk):       # chunks of whole segments
+        rows = positions[start:start + per_chunk]
+        own = rows // block_size                                                          # [R] the probe's block
+        count = (rows - own * block_size + 1).to(dtype)                                   # its keys the probe sees
+        queries = rearrange(q[:, :, rows].to(dtype), "b (h g) r d -> b h g r d", g=group)
+        logits = torch.einsum("bhgrd,bhcd->bhgrc", queries, means) * step + math.log(block_size)
+        partial = within[:, :, rows] / count[:, None]                                     # [B, Hkv, R, D]
+        own_logit = torch.einsum("bhgrd,bhrd->bhgr", queries, partial) * step + count.log()
+        blocks = torch.arange(num_blocks, device=q.device)
+        logits = torch.where(blocks == own[:, None], own_logit[..., None], logits)
+        logits = logits.masked_fill(blocks > own[:, None], float("-inf"))
+        masses.append(rearrange(torch.softmax(logits, dim=-1), "b h g r c -> b (h g) r c"))
+    mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
+    return mass.mean(dim=-2)
+
+
 def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
                   block_size: int) -> torch.Tensor:
     """Block sums ``[B, Hq, R, ceil(M / block_size)]`` of the probe rows' causal attention over ``k [B, Hkv, M, D]``

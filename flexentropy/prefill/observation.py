@@ -6,11 +6,9 @@ import torch
 from einops import rearrange
 
 from flexentropy._checks import check_qk, is_int
-from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.prefill.estimate import probe_block_mass
+from flexentropy.config import MASS_OBSERVATIONS, OBSERVATIONS, Q_BLOCK_SIZE
+from flexentropy.prefill.estimate import pooled_block_mass, probe_block_mass
 from flexentropy.prefill.representatives import chunk_extrema
-
-OBSERVATIONS = ("paper", "critiprefill", "probe")
 
 
 def candidate_blocks(num_segments: int, num_blocks: int, segment_size: int, block_size: int,
@@ -47,11 +45,13 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
       segment (`flexentropy.prefill.estimate.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
       candidate block averaged over the probes. A row is *not* a distribution over the candidates: it sums to the
       probes' mass outside their own segment, the rest being on the segment's own (always computed) keys.
+    * ``"pooled"`` (not in the paper; design.md §1.2c): the same probes, each block scored by its mean key
+      (`flexentropy.prefill.estimate.pooled_block_mass`): ``L_B`` times cheaper than ``"probe"``, an estimate of it.
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0``.
         segment_size: L_S, tokens per query segment. block_size: L_B, tokens per key block.
-        probes: probe queries per segment (``"probe"``), a divisor of ``segment_size``.
+        probes: probe queries per segment (``"probe"``, ``"pooled"``), a divisor of ``segment_size``.
 
     Returns:
         float32 ``[B, Hq, C_S, C_B]``; non-candidates (and all of segment 0) exactly 0.
@@ -67,15 +67,16 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
                          f"and of {Q_BLOCK_SIZE}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    if observation == "probe" and (not is_int(probes) or probes <= 0 or segment_size % probes):
+    if observation in MASS_OBSERVATIONS and (not is_int(probes) or probes <= 0 or segment_size % probes):
         raise ValueError(f"probes must be a positive divisor of segment_size ({segment_size}), got {probes!r}")
     return _observation(q, k, segment_size, block_size, observation, scale, probes)
 
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,
                  scale: float, probes: int = 16, kernel: bool = False, compiled: bool = False) -> torch.Tensor:
-    if observation == "probe":
-        mass = probe_block_mass(q, k, segment_size, block_size, probes, scale, kernel=kernel, compiled=compiled).float()
+    if observation in MASS_OBSERVATIONS:
+        mass = (probe_block_mass(q, k, segment_size, block_size, probes, scale, kernel=kernel, compiled=compiled)
+                if observation == "probe" else pooled_block_mass(q, k, segment_size, block_size, probes, scale)).float()
         allowed = candidate_blocks(mass.shape[-2], mass.shape[-1], segment_size, block_size, q.device)
         return mass * allowed
     group = q.shape[1] // k.shape[1]

@@ -13,7 +13,7 @@ import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import no_silent_fallback
-from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
+from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
 from flexentropy.prefill.budgets import MAX_SEGMENTS, fluctuation_budgets
 from flexentropy.prefill.entropies import rigid_heads, segment_entropy
 from flexentropy.prefill.observation import _observation, candidate_blocks
@@ -158,7 +158,7 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
         float32 ``[B, Hq, C_S]`` budgets in tokens.
     """
     free, forced = _free_and_forced(a_obs, config)
-    total = 1.0 if config.observation == "probe" else None     # a probe row's rest is on the segment's own keys
+    total = 1.0 if config.observation in MASS_OBSERVATIONS else None   # a probe row's rest: on its own segment
     count = mass_cover(a_obs, free, forced, _coverage(a_obs, config), total).sum(dim=-1)
     return (count.clamp_min(1) * config.block_size).float()
 
@@ -189,7 +189,7 @@ def dense_plan(q: torch.Tensor, config: EntropyConfig) -> SparsePlan:
 def _select(a_obs: torch.Tensor, config: EntropyConfig,
             seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(blocks, budgets, entropy, rigid)`` from a layer's observation: entropy, budgets and the top-k."""
-    entropy = segment_entropy(a_obs, normalise=config.observation == "probe")
+    entropy = segment_entropy(a_obs, normalise=config.observation in MASS_OBSERVATIONS)
     coverage = config.budget_rule == "coverage"
     budgets = coverage_budgets(a_obs, config) if coverage else fluctuation_budgets(entropy, config)
     blocks = block_table(a_obs, budgets, config, seq_len)
@@ -222,7 +222,7 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
         return _plan_tensors(q, k, config)
     try:
         with no_silent_fallback():
-            if config.observation == "probe":     # its loop over chunks of probe rows: one compiled graph a chunk
+            if config.observation in MASS_OBSERVATIONS:     # a loop over chunks of probe rows
                 return _compiled_select(_observe(q, k, config, compiled=True), config, q.shape[-2])
             return _compiled_plan_tensors(q, k, config)
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,

@@ -2,7 +2,7 @@
 (CPU; docs/quality.md).
 
     python profiling/quality/mass_study.py --model qwen2.5-coder-0.5b --length 16384 \
-        --out runs/qwen_mass_study.txt  (docs/results/qwen_cpu_studies.md)
+        --out runs/qwen_mass_study.txt [--rules "seg 256"]  (docs/results/qwen_cpu_studies.md)
 
 Captures every layer's post-RoPE q/k/v on one niah_multikey prompt (dense forward, float32; cached next to ``--out``
 as ``<stem>_v.pt``, not committed), then for every rule plans each sparse layer (layer 0 and the dense segments
@@ -59,6 +59,16 @@ RULES: dict[str, tuple[str, Knobs]] = {
     "probe (8), coverage 0.9": ("entropy", dict(PROBE, coverage=0.9, probes=8)),
     "xattention 0.9": ("xattention", dict(threshold=0.9)),
     "xattention 0.8": ("xattention", dict(threshold=0.8)),
+    # the cheap observations of docs/quality.md, at the default's geometry (segments of 256, coverage 0.8)
+    "seg 256: probe 16 (default)": ("entropy", dict(segment_size=256)),
+    "seg 256: probe 8": ("entropy", dict(segment_size=256, probes=8)),
+    "seg 256: probe 4": ("entropy", dict(segment_size=256, probes=4)),
+    "seg 256: pooled 16": ("entropy", dict(segment_size=256, observation="pooled")),
+    "seg 256: pooled 32": ("entropy", dict(segment_size=256, observation="pooled", probes=32)),
+    "seg 256: pooled 16, coverage 0.7": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.7)),
+    "seg 256: pooled 16, coverage 0.75": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.75)),
+    "seg 256: pooled 16, coverage 0.85": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.85)),
+    "seg 256: pooled 16, coverage 0.9": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.9)),
 }
 PER_LAYER = ("probe, coverage 0.7", "probe, coverage 0.8 (default)", "probe, coverage 0.9")
 
@@ -122,6 +132,7 @@ def study_arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rules", nargs="*", default=None, help="run only the rules whose name contains one of these")
     return parser.parse_args()
 
 
@@ -130,7 +141,9 @@ def main() -> None:
     torch.manual_seed(0)
     layers = capture(args.model, args.length, args.out.with_name(f"{args.out.stem}_v.pt"))
     base = EntropyConfig(**GEOMETRY)
-    results: dict[str, list[tuple[float, ...]]] = {name: [] for name in RULES}
+    rules = {name: rule for name, rule in RULES.items()
+             if args.rules is None or any(part in name for part in args.rules)}
+    results: dict[str, list[tuple[float, ...]]] = {name: [] for name in rules}
     layer_ids, partial = [], 0
     for layer_idx, q, k, v, scale in layers:
         if layer_idx in base.dense_layers:
@@ -151,7 +164,7 @@ def main() -> None:
                             + torch.log(torch.tensor(float(block))), (0, mass.shape[-1] - full), value=float("-inf"))
         tail = (tail_logits, F.pad(means[1], (0, 0, 0, mass.shape[-1] - full)))
         causal = int(causal_blocks(n, block).sum())
-        for name, (policy, knobs) in RULES.items():
+        for name, (policy, knobs) in rules.items():
             knobs = knobs(layer_idx) if callable(knobs) else knobs
             own = {key: value for key, value in knobs.items() if key == "threshold"}
             config = base.replace(**{key: value for key, value in knobs.items() if key not in own})
@@ -167,7 +180,8 @@ def main() -> None:
             results[name].append((float(blocks.float().sum((1, 2)).mean()) / causal, float(kept.mean()),
                                   float(kept.mean(-1).min()), float(error.mean()), float(error_tail.mean())))
     lines = [f"{args.model}, niah_multikey sample 0, {n} tokens, {len(layer_ids)} sparse layers, "
-             f"segments 512 / blocks 128 / dense prefix 4096; 128 query rows of the sparse segments per layer",
+             f"segments 512 (256 in the rules named 'seg 256') / blocks 128 / dense prefix 4096; 128 query rows of "
+             "the sparse segments per layer",
              "out err: ||o_plan - o_dense|| / ||o_dense|| (mean; worst: the worst layer's mean); +tail: unselected "
              "blocks before the row's query block as one mean-key / mean-value representative each",
              f"{'rule':40s} {'density':>8s} {'mass kept':>10s} {'worst layer':>12s} {'worst head':>11s} "
@@ -178,11 +192,13 @@ def main() -> None:
                      f"{min(kept):12.3f} {min(worst):11.3f} {statistics.fmean(error):8.3f} {max(error):6.3f} "
                      f"{statistics.fmean(error_tail):6.3f} {max(error_tail):6.3f}")
     lines.append(f"unselected blocks partially visible to a row (not covered by the tail): {partial}")
+    per_layer = [name for name in PER_LAYER if name in rules] or list(rules)[:3]
     lines += ["", "per-layer out err (without / with tail)",
-              f"{'layer':>5s} " + " ".join(f"{name.split(', ', 1)[1].split(' (')[0]:>17s}" for name in PER_LAYER)]
+              f"{'layer':>5s} " + " ".join(f"{name.split(': ')[-1].split(', ', 1)[-1].split(' (')[0]:>17s}"
+                                      for name in per_layer)]
     for i, layer_idx in enumerate(layer_ids):
         lines.append(f"{layer_idx:5d} " + " ".join(f"{results[name][i][3]:8.3f}/{results[name][i][4]:<8.3f}"
-                                                  for name in PER_LAYER))
+                                                  for name in per_layer))
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

@@ -14,8 +14,8 @@ from typing import Literal
 
 import torch
 
+from flexentropy.config import OBSERVATIONS
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.observation import OBSERVATIONS
 from flexentropy.prefill.selection import plan_blocks
 from flexentropy.sparse.plan import SparsePlan
 

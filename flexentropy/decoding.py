@@ -130,9 +130,9 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
             new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
             cache: Any = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
-    ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly),
-    through ``model.generate`` or, with ``loop=True``, through `greedy_generate` (each compiles its own decode
-    graph: warm up the one that will serve).
+    ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly, or,
+    with a ``max_prompt_length``, as one more graph), through ``model.generate`` or, with ``loop=True``, through
+    `greedy_generate` (each compiles its own decode graph: warm up the one that will serve).
 
     Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
     above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the

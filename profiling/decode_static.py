@@ -356,7 +356,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         """The one `StaticLatentKVCache` of ``config`` that serves every request of this part, reset: its buffers
         keep the addresses the warm-up recorded the decode step with."""
         if config not in caches:
-            caches[config] = fe.StaticLatentKVCache(config, model=model)
+            caches[config] = fe.StaticLatentKVCache(config, model=model, max_prompt_length=args.max_prompt_length)
         cache = caches[config]
         cache.reset()
         return cache
@@ -666,6 +666,9 @@ def main(argv: list[str] | None = None) -> None:
                         "value adds _b0N to the e2e rows' variants")
     p.add_argument("--e2e-context", type=int, default=131072)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-length", type=int, default=None,
+                   help="e2e: serve with StaticLatentKVCache(max_prompt_length=...): the phase-1 steps captured in "
+                        "prompt buffers (e.g. the --e2e-context; default: phase 1 eager)")
     p.add_argument("--profile-steps", type=int, default=64,
                    help="e2e: profile a generate of this many tokens on a short prompt after the warm row (0: skip)")
     p.add_argument("--no-cold", dest="cold", action="store_false",
@@ -717,7 +720,8 @@ def main(argv: list[str] | None = None) -> None:
     args.tag = ("_tuned" if args.tuned else "") + ("_frozen" if args.freeze else "") + (
         "_fused" if args.fuse else "") + (
         f"_b0{args.prefill_budget}" if args.prefill_budget != default_budget else "") + (
-        f"_{args.decode_kernel}" if args.decode_kernel != "auto" else "")
+        f"_{args.decode_kernel}" if args.decode_kernel != "auto" else "") + (
+        "_p1_captured" if args.max_prompt_length else "")
     torch._inductor.config.freezing = args.freeze
     device = torch.device(args.device)
     out = Path(args.out)

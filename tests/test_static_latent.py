@@ -213,7 +213,7 @@ def multi_layer_schedules(draw: st.DrawFn) -> dict:
         layers=draw(st.integers(1, 3)), batch=draw(st.integers(1, 2)), kv_heads=draw(st.integers(1, 2)),
         group=draw(st.sampled_from([1, 2, 4])), dim=draw(st.sampled_from([2, 4])), prompt=draw(st.integers(1, 30)),
         steps=draw(st.integers(1, 30)), seed=draw(st.integers(0, 2**16)), turn=draw(st.integers(1, 30)),
-        turn_length=draw(st.integers(2, 5)),
+        turn_length=draw(st.integers(2, 5)), max_prompt_length=draw(st.sampled_from([None, 1, 20, 40, 40])),
         config=fe.EntropyConfig(
             decode_budget=draw(st.integers(window, 16)), decode_window=window, decode_delay=draw(st.integers(0, 4)),
             decode_pool=draw(st.sampled_from([1, 3])), decode_span=draw(st.sampled_from([0, 4])),
@@ -229,10 +229,12 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
     """Each layer of a `StaticLatentKVCache`, with its recompressions decided for all layers at once, holds at every
     step the entries and positions of `reference.cache.LatentCacheOracle` run on that layer alone (the decision
     before the step's queries are handed over: ``hand_over="after"``), also across a later turn (one forward of
-    several tokens after decoding began, which leaves the buffers and re-enters them at the next step)."""
+    several tokens after decoding began, which leaves the buffers and re-enters them at the next step), with phase 1
+    captured in prompt buffers or not (``max_prompt_length`` None, below or above the prompt)."""
     config, batch, kv_heads, dim = case["config"], case["batch"], case["kv_heads"], case["dim"]
     gen = torch.Generator().manual_seed(case["seed"])
-    cache = StaticLatentKVCache(config, num_layers=case["layers"])
+    cache = StaticLatentKVCache(config, num_layers=case["layers"], max_prompt_length=case["max_prompt_length"])
+    captured = False
     oracles = [reference.LatentCacheOracle(config) for _ in range(case["layers"])]
     for step in range(case["steps"] + 1):
         length = case["prompt"] if step == 0 else case["turn_length"] if step == case["turn"] else 1
@@ -247,8 +249,10 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
             layer = cache.layers[layer_idx]
             assert torch.equal(layer.keys, want_keys) and torch.equal(layer.values, want_values)
             assert torch.equal(layer.positions(), oracle.positions)
+            captured |= layer.static and layer.active is layer.prompt_buffers
     assert all(layer.evictions == len(oracle.evictions) for layer, oracle in zip(cache.layers, oracles, strict=True))
     event(f"recompressions: {min(max(len(oracles[0].evictions) - 1, 0), 2)}")
+    event(f"phase 1 captured: {captured}")
 
 
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
@@ -344,6 +348,56 @@ def test_a_later_turn_continues_on_the_same_cache() -> None:
     torch.testing.assert_close(layer.attend_own_mask(query, None), plain)
 
 
+@pytest.mark.parametrize(("config", "length"), [(COVERING, 200), (EVICTING, 300)], ids=["covering", "evicting"])
+def test_captured_phase_one_takes_the_same_decisions(config: fe.EntropyConfig, length: int) -> None:
+    """With ``max_prompt_length`` the phase-1 steps write into prompt buffers (one address) and read them, and the
+    cache leaves them at the first decision point: the dynamic cache's tokens and kept positions; a prompt longer
+    than ``max_prompt_length`` runs its phase 1 on the dynamic path, with the same tokens."""
+    model, ids, dynamic = model_for("llama", config), prompt(length), LatentKVCache(config)
+    expected = greedy(model, ids, dynamic, 40, disable_compile=True)
+    cache = StaticLatentKVCache(config, model=model, max_prompt_length=length + 20)
+    layer = cache.layers[1]
+    phase_one: list[tuple[bool, int, int]] = []
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if 1 <= layer.generated <= config.decode_delay:   # the decode steps before the first decision point
+            phase_one.append((layer.active is layer.prompt_buffers, layer.prompt_buffers["keys"].data_ptr(),
+                              layer.keys.shape[-2]))
+
+    handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
+    try:
+        assert torch.equal(greedy(model, ids, cache, 40, disable_compile=True), expected)
+    finally:
+        handle.remove()
+    assert [entry[2] for entry in phase_one] == list(range(length + 1, length + config.decode_delay + 1))
+    assert all(entry[0] for entry in phase_one) and len({entry[1] for entry in phase_one}) == 1
+    assert layer.active is layer.buffers and layer.prompt_buffers["keys"].shape[-2] == length + 20 + config.decode_delay
+    assert torch.equal(cache.kept_positions(0), dynamic.kept_positions(0))
+    short = StaticLatentKVCache(config, model=model, max_prompt_length=length - 1)
+    assert torch.equal(greedy(model, ids, short, 40, disable_compile=True), expected)
+    assert not short.layers[1].prompt_buffers
+
+
+def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
+    """Under transformers' compiled ``generate`` a captured phase 1 is one more graph (the prompt buffers' shapes), with
+    no graph break: the phase-1 steps no longer run eagerly; another prompt length, reset between requests, compiles
+    nothing and keeps the buffers' addresses."""
+    model, ids, other = model_for("llama", EVICTING), prompt(300), prompt(420, seed=5)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = StaticLatentKVCache(EVICTING, model=model, max_prompt_length=512)
+    got = greedy(model, ids, cache, 40, compile_config=cpu_compile())
+    assert torch.equal(got, greedy(model, ids, LatentKVCache(EVICTING), 40, disable_compile=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+    addresses = {buffer.data_ptr() for layer in cache.layers for buffer in layer.prompt_buffers.values()}
+    cache.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = greedy(model, other, cache, 70, compile_config=cpu_compile())
+    assert torch.equal(got, greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True))
+    assert {buffer.data_ptr() for layer in cache.layers for buffer in layer.prompt_buffers.values()} == addresses
+
+
 def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
     """With ``decode_delay=0`` and a budget above what a request holds, the cache switches to its buffers at the
     first step and never evicts: the tokens of a full ``DynamicCache`` (the dense decode baseline of
@@ -363,6 +417,8 @@ def test_validation() -> None:
         StaticLatentKVCache(EVICTING.replace(recompress_every=None), num_layers=2)
     with pytest.raises(ValueError, match="model= or num_layers="):
         StaticLatentKVCache(EVICTING)
+    with pytest.raises(ValueError, match="max_prompt_length must be >= 1, got 0"):
+        StaticLatentKVCache(EVICTING, num_layers=2, max_prompt_length=0)
     assert StaticLatentKVCache(EVICTING, num_layers=2).is_compileable
     with pytest.raises(ValueError, match="decode_kernel"):
         EVICTING.replace(decode_kernel="triton")

@@ -5,7 +5,9 @@ decode steps can be captured (CUDA graphs, ``torch.compile(mode="reduce-overhead
 Two phases per layer (design.md §2):
 
 1. prompt and the first ``decode_delay`` generated tokens: the dynamic `PolicyLayer` path, unchanged (the prompt's
-   whole KV is held, its length varies from request to request);
+   whole KV is held, its length varies from request to request); or, for a cache with ``max_prompt_length``, the
+   phase-1 steps in prompt buffers of ``max_prompt_length + decode_delay`` entries per KV head, static like phase 2
+   (same attention, writes and bookkeeping over other buffers: one more captured graph, the same decisions);
 2. from the step at which the latent policy first decides on: preallocated buffers ``keys [B, Hkv, C, D]``,
    ``values [B, Hkv, C, Dv]`` and the query window ``[B, Hq, W, D]``, ``C = decode_budget + recompress_every``
    (`StaticLatentLayer.capacity`). A decode step writes its token in place at a slot held in a tensor and attends
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 
+from flexentropy._checks import check_int
 from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.policy_cache import PolicyCache
@@ -55,8 +58,13 @@ class StaticLatentLayer(PolicyLayer):
     """One layer of a `StaticLatentKVCache` (module docstring). Besides `PolicyLayer`'s state:
 
     Attributes:
-        static: whether the layer is in its static phase (buffers in use).
+        static: whether the layer is in its static phase (buffers in use: the prompt buffers or the buffers).
         capacity: ``C``, entries per KV head the buffers hold.
+        buffers: the static phase's buffers (``keys``, ``values``, ``real``, ``slots``, and the query ``window``).
+        prompt_buffers: the captured phase 1's ``keys``, ``values``, ``real``, ``slots`` (`prompt_capacity` entries;
+            the window stays in ``buffers``); empty unless the cache has a ``max_prompt_length``.
+        prompt_capacity: entries per KV head of the prompt buffers, or None (phase 1 runs on the dynamic path).
+        active: the buffers the steps write and read now (``buffers`` or ``prompt_buffers``).
         slot: int64 ``[1]`` the buffer slot the next token is written to (shared by the cache's layers).
         position: int64 0-dim, the logical position of the next token (shared; ``get_seq_length`` under compile).
         lengths: int32 ``[B]``, the slots written so far (``slot + 1`` per row; shared), for `flash_decode`.
@@ -68,6 +76,8 @@ class StaticLatentLayer(PolicyLayer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.prompt_buffers: dict[str, torch.Tensor] = {}
+        self.prompt_capacity: int | None = None
         super().__init__(*args, **kwargs)
         self.capacity = self.policy.budget + self.policy.recompress_every
         # phase 1 appends one token a step to the whole prompt's entries: in place, not a copy of them per step
@@ -81,33 +91,46 @@ class StaticLatentLayer(PolicyLayer):
         super()._clear()
         self.static = False
         self.flash = False
+        self.active = self.buffers
 
     # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
-    def _allocate(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None
-                  ) -> torch.Tensor:
-        """The preallocated buffer ``name``, kept across requests of the same shapes (`reset` leaves it)."""
+    def _allocate(self, stage: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], like: torch.Tensor,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The preallocated buffer ``name`` of ``stage`` (`buffers` or `prompt_buffers`), kept across requests of the
+        same shapes (`reset` leaves it)."""
         dtype = like.dtype if dtype is None else dtype
-        buffer = self.buffers.get(name)
+        buffer = stage.get(name)
         if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != like.device:
             buffer = static_buffer(shape, dtype, like.device)
-            self.buffers[name] = buffer
+            stage[name] = buffer
         return buffer
 
-    def _go_static(self) -> None:
-        """Move the stored entries and the query window into the buffers (the phase switch)."""
+    def prompt_fits(self) -> bool:
+        """Whether phase 1 runs captured: the cache has prompt buffers, nothing was evicted yet, and the prompt with the
+        tokens still to come before the first decision fits them."""
+        delay = self.policy.delay
+        return (self.prompt_capacity is not None and self.evictions == 0 and self.generated < delay
+                and self.stored + delay - self.generated <= self.prompt_capacity)
+
+    def _enter(self, stage: dict[str, torch.Tensor]) -> None:
+        """Move the stored entries (and, from the dynamic path, the query window) into ``stage``'s buffers: the switch
+        to the captured phase 1 (`prompt_buffers`) or to the static phase (`buffers`)."""
         if self.ragged is not None or self.window is None:
             raise RuntimeError(f"{self.owner} layer {self.layer_idx}: cannot switch to static buffers "
                                f"(ragged layer or no queries handed over)")
         batch, kv_heads, _, dim = self.keys.shape
-        window = self.policy.window
-        self._allocate("keys", (batch, kv_heads, self.capacity, dim), self.keys)
-        self._allocate("values", (batch, kv_heads, self.capacity, self.values.shape[-1]), self.values)
-        self._allocate("window", (*self.window.shape[:2], window, self.window.shape[-1]), self.window)
-        self._allocate("real", (batch, kv_heads, 1, self.capacity), self.keys, torch.bool)
-        self._allocate("slots", (self.capacity,), self.keys, torch.long).copy_(
-            torch.arange(self.capacity, device=self.keys.device))
-        self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
+        size = self.capacity if stage is self.buffers else self.prompt_capacity
+        self._allocate(stage, "keys", (batch, kv_heads, size, dim), self.keys)
+        self._allocate(stage, "values", (batch, kv_heads, size, self.values.shape[-1]), self.values)
+        self._allocate(stage, "real", (batch, kv_heads, 1, size), self.keys, torch.bool)
+        slots = self._allocate(stage, "slots", (size,), self.keys, torch.long)
+        slots.copy_(torch.arange(size, device=self.keys.device))
+        if not self.static:   # the window comes from the dynamic path; from the prompt buffers it is in place
+            window = self.policy.window
+            self._allocate(self.buffers, "window", (*self.window.shape[:2], window, self.window.shape[-1]), self.window)
+            self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
         self.static = True
+        self.active = stage
         self.flash = flash_decode_usable(self.kernel, self.keys, padded=self.padding is not None)
         self._store()
         self._spare.clear()   # phase 1's prompt-sized buffers
@@ -119,23 +142,26 @@ class StaticLatentLayer(PolicyLayer):
 
     def _view(self, stored: int) -> None:
         """Point ``keys``/``values``/``window`` (what policies and readers see) at the buffers' live parts."""
-        self.keys = self.buffers["keys"][:, :, :stored]
-        self.values = self.buffers["values"][:, :, :stored]
+        self.keys = self.active["keys"][:, :, :stored]
+        self.values = self.active["values"][:, :, :stored]
         held = min(self.policy.window, self.observed)
         self.window = self.buffers["window"][:, :, self.policy.window - held:]
 
     def due(self, q_len: int) -> bool:
-        """Whether the next step (``q_len`` tokens) runs on the buffers: the layer is static, or its policy has
-        reached its first decision point (``decode_delay`` generated tokens)."""
-        return self.static or (self.prompt_length is not None and self.generated >= self.policy.delay)
+        """Whether the next step (``q_len`` tokens) runs on static buffers: the layer is static, its policy has
+        reached its first decision point (``decode_delay`` generated tokens), or the prompt fits the prompt buffers."""
+        return self.static or (self.prompt_length is not None
+                               and (self.generated >= self.policy.delay or self.prompt_fits()))
 
     def begin_step(self, q_len: int, target: int | None) -> int:
-        """Eager part of a static step: apply the decision ``target`` (`policy.before_append`, None: none) and switch
-        to the buffers at the first, then account for the step's token; returns the slot it is written to."""
+        """Eager part of a static step: apply the decision ``target`` (`policy.before_append`, None: none); enter the
+        prompt buffers at the first step of a captured phase 1, the buffers at the first decision point; account for
+        the step's token. Returns the slot it is written to."""
         if target is not None:
             self.decide(target, q_len)
-        if not self.static:
-            self._go_static()
+        stage = self.prompt_buffers if target is None and self.prompt_fits() else self.buffers
+        if not self.static or stage is not self.active:
+            self._enter(stage)
         elif target is not None:
             self._store()  # the gathered entries: fresh tensors, not views of the buffers
         return self.advance(q_len)
@@ -166,7 +192,7 @@ class StaticLatentLayer(PolicyLayer):
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one token's ``[B, Hkv, 1, D]`` key and value at `slot`, in place; returns the whole buffers
         ``[B, Hkv, C, D]`` (static shapes)."""
-        keys, values = self.buffers["keys"], self.buffers["values"]
+        keys, values = self.active["keys"], self.active["values"]
         keys.index_copy_(2, self.slot, key_states.to(keys.dtype))
         values.index_copy_(2, self.slot, value_states.to(values.dtype))
         return keys, values
@@ -178,14 +204,14 @@ class StaticLatentLayer(PolicyLayer):
 
     def valid(self) -> torch.Tensor:
         """bool ``[B, Hkv, 1, C]``: the slots written so far (this step's included) that are not padding."""
-        return (self.buffers["slots"] <= self.slot) & self.buffers["real"]
+        return (self.active["slots"] <= self.slot) & self.active["real"]
 
     def attend_static(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
         """``[B, Hq, 1, Dv]``: the step's attention over the buffers, the first `lengths` slots of each row with
         `flash_decode`, else under `valid` (GQA folded, one SDPA call)."""
         if self.flash:
-            return flash_decode(query, self.buffers["keys"], self.buffers["values"], self.lengths, scale)
-        return grouped_attention(query, self.buffers["keys"], self.buffers["values"], self.valid(), scale)
+            return flash_decode(query, self.active["keys"], self.active["values"], self.lengths, scale)
+        return grouped_attention(query, self.active["keys"], self.active["values"], self.valid(), scale)
 
     def placeholder(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-memory NaN tensors ``[B, Hkv, C, D]`` returned by a phase-1 step under compilation (fixed shapes)."""
@@ -202,12 +228,18 @@ class StaticLatentLayer(PolicyLayer):
         return grouped_attention(query, self.keys, self.values, real[:, :, None, :] & causal, scale)
 
     # -- readers ------------------------------------------------------------------------------------------------
+    @property
+    def slots_in_use(self) -> int:
+        """Entries per KV head of the buffers a step reads now: `prompt_capacity` in a captured phase 1, else `capacity`
+        (a constant of the phase, not of the request)."""
+        return self.prompt_capacity if self.static and self.active is self.prompt_buffers else self.capacity
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """A prompt: its own size; a decode step: ``(C, 0)``, a constant (the step ignores HF's mask). A static step
         reads only the ``static`` flag: a traced read of the prompt's length would specialise the graph to it."""
         if not self.static and self.prompt_length is None:
             return super().get_mask_sizes(query_length)
-        return self.capacity, 0
+        return self.slots_in_use, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(f"{self.owner} does not support beam search; use LatentKVCache")
@@ -220,7 +252,7 @@ class StaticLatentLayer(PolicyLayer):
         """Bytes held: the buffers once static (their full capacity), else `PolicyLayer.nbytes`."""
         if not self.static:
             return super().nbytes()
-        return tensor_bytes(self._kept, *self.buffers.values())
+        return tensor_bytes(self._kept, *self.buffers.values(), *self.prompt_buffers.values())
 
 
 class StaticLatentKVCache(LatentKVCache):
@@ -238,17 +270,28 @@ class StaticLatentKVCache(LatentKVCache):
     and `reset` keeps them, so the captured step replays at the addresses it was recorded with (`static_buffer`); a
     new cache allocates new ones, and the step is recorded again for them.
 
+    With ``max_prompt_length``, phase 1 is captured too: the first step copies the prompt's entries into prompt buffers
+    of ``max_prompt_length + decode_delay`` entries per KV head, kept across requests like the buffers, and the
+    ``decode_delay`` steps before the first eviction run there as one more compiled graph (read over the valid entries
+    only, with flash-attn-4's kernel where it runs); a longer prompt runs its phase 1 eagerly, as without it. The
+    decisions, and so the tokens, are the same either way; the prompt buffers hold as much as a dense static cache of
+    that length.
+
     Args:
         config: the `EntropyConfig` (its ``decode_*`` fields and ``recompress_every``).
         model: the HF model served: its layer count, and the pre-hook on its decoder that calls `prepare`.
         num_layers: layer count without a model (a plain loop then calls `prepare` itself).
+        max_prompt_length: the longest prompt whose phase 1 runs captured (None: phase 1 runs eagerly on the prompt's
+            own tensors, and nothing of the prompt is held between requests).
     """
 
     layer_class = StaticLatentLayer
 
     def __init__(self, config: EntropyConfig | None = None, *, model: Any = None,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, max_prompt_length: int | None = None) -> None:
         super().__init__(config, model=model, num_layers=num_layers)
+        if max_prompt_length is not None:
+            check_int(type(self).__name__, "max_prompt_length", max_prompt_length, 1)
         if self.config.recompress_every is None:
             raise ValueError("StaticLatentKVCache needs EntropyConfig.recompress_every (its buffers hold "
                              "decode_budget + recompress_every entries per KV head); None grows without bound")
@@ -258,8 +301,11 @@ class StaticLatentKVCache(LatentKVCache):
         self._layer(self.num_layers - 1)
         self.counters: dict[str, torch.Tensor] = {}
         self._place_counters(torch.device("cpu"), 1)
+        self.max_prompt_length = max_prompt_length
         for layer in self.layers:
             layer.kernel = self.config.decode_kernel
+            if max_prompt_length is not None and self.config.decode_delay:
+                layer.prompt_capacity = max_prompt_length + self.config.decode_delay
         self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
         self._hooked = False        # a pre-hook calls `before_forward` (set at its first call, the prompt's forward)
         self._armed = False         # `prepare` ran for the coming forward, which the hook must not prepare again
@@ -385,7 +431,7 @@ class StaticLatentKVCache(LatentKVCache):
         compiled step never depends on the count."""
         layer = self.layers[layer_idx]
         if torch.compiler.is_compiling():
-            return layer.capacity if layer.is_initialized else 0
+            return layer.slots_in_use if layer.is_initialized else 0
         return layer.stored
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
@@ -407,6 +453,7 @@ def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """
     buffer = torch.zeros(shape, dtype=dtype, device=device)
     torch._dynamo.mark_static_address(buffer, guard=False)
+    torch._dynamo.mark_static(buffer)   # the prompt buffers and the buffers: one graph each, not one dynamic graph
     return buffer
 
 
@@ -422,15 +469,15 @@ def store_entries(layers: Sequence[StaticLatentLayer], keys: torch.Tensor, value
         real: bool ``[L, B, Hkv, S]``, False at left-padding entries, or None (every entry real).
     """
     first, stored = layers[0], keys.shape[-2]
-    if stored > first.capacity - 1:
+    if stored > first.slots_in_use - 1:
         raise RuntimeError(f"{first.owner} layer {first.layer_idx}: {stored} entries do not leave a free slot in the "
-                           f"static buffers of {first.capacity}")
+                           f"static buffers of {first.slots_in_use}")
     for name, entries in (("keys", keys), ("values", values)):
-        torch._foreach_copy_([layer.buffers[name][:, :, :stored] for layer in layers], list(entries.unbind(0)))
-    marks = keys.new_ones((len(layers), *first.buffers["real"].shape), dtype=torch.bool)
+        torch._foreach_copy_([layer.active[name][:, :, :stored] for layer in layers], list(entries.unbind(0)))
+    marks = keys.new_ones((len(layers), *first.active["real"].shape), dtype=torch.bool)
     if real is not None:
         marks[:, :, :, 0, :stored] = real
-    torch._foreach_copy_([layer.buffers["real"] for layer in layers], list(marks.unbind(0)))
+    torch._foreach_copy_([layer.active["real"] for layer in layers], list(marks.unbind(0)))
     for layer in layers:
         layer._view(stored)
 
@@ -445,7 +492,7 @@ def stackable(layers: Sequence[StaticLatentLayer]) -> bool:
                 layer.keys.device, layer.values.shape, layer.window.shape, layer.window.dtype)
 
     first = signature(layers[0])
-    return (all(layer.static and layer.ragged is None for layer in layers)
+    return (all(layer.static and layer.active is layer.buffers and layer.ragged is None for layer in layers)
             and all(signature(layer) == first for layer in layers[1:]))
 
 

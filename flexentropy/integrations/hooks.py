@@ -7,8 +7,9 @@ own caches unchanged.
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
 - The decoder's forward pre-hook runs `StaticLatentKVCache.before_forward` eagerly before every forward (its
   decisions never run inside a captured step), unless the caller prepared the step itself.
-- ``model.get_compiled_call`` (what ``generate`` decodes with) runs the steps of a `StaticLatentKVCache` that is not
-  yet static, and a later turn's forward of several tokens, eagerly, and only its static one-token steps compiled.
+- ``model.get_compiled_call`` (what ``generate`` decodes with) prepares each forward of a `StaticLatentKVCache` first,
+  then runs its static one-token steps compiled, and the others (the prompt, phase-1 steps not in prompt buffers, a
+  later turn's forward of several tokens) eagerly.
   Traced, a phase-1 step breaks its graph in every layer (its cache work is excluded from tracing), and the frames of
   those breaks are then entered on every later step too.
 - One forward hook per decoder layer hands hidden states and the predictive distribution to a cache whose policy
@@ -113,10 +114,9 @@ def _route_phase_one_eagerly(model: nn.Module, compiled_call: Callable[..., Any]
             cache = cache_argument(kwargs)
             if not isinstance(cache, StaticLatentKVCache):
                 return compiled(*args, **kwargs)
-            if not cache.is_static or _query_length(args, kwargs) != 1:
-                return model(*args, **kwargs)
-            with cache.prepared(_query_length(args, kwargs)):
-                return compiled(*args, **kwargs)
+            q_len = _query_length(args, kwargs)
+            with cache.prepared(q_len):   # first: the step that enters the buffers is static already
+                return compiled(*args, **kwargs) if cache.is_static and q_len == 1 else model(*args, **kwargs)
 
         return call
 

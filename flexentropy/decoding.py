@@ -10,8 +10,10 @@ CUDA graphs; CPU: plain ``torch.compile``); the eager work of each step (the cac
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,7 +130,7 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
 
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
             new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
-            cache: Any = None) -> dict[int, float]:
+            cache: Any = None, artifacts: str | os.PathLike[str] | None = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
     ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly, or,
     with a ``max_prompt_length``, as one more graph), through ``model.generate`` or, with ``loop=True``, through
@@ -154,6 +156,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         loop: warm `greedy_generate` instead of ``generate``.
         cache: the `StaticLatentKVCache` that will serve (default: a new one for all lengths, dropped after the
             warm-up).
+        artifacts: a file of compiled artifacts (``torch.compiler.save_cache_artifacts``): loaded before the warm-up
+            if it exists, written after it, so that a new process, on this machine or another with the same torch and
+            device, takes inductor's compiled kernels from it instead of compiling them again (dynamo still traces in
+            every process; docs/performance.md). None: only torch's own caches (``TORCHINDUCTOR_CACHE_DIR``).
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -177,6 +183,8 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}
     serving = StaticLatentKVCache(config, model=model) if cache is None else cache
+    if artifacts is not None and Path(artifacts).is_file():
+        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
     seconds = {}
     for length in lengths:
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
@@ -192,4 +200,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
             torch.cuda.synchronize(model.device)
         seconds[length] = time.perf_counter() - start_time
     serving.reset()
+    saved = torch.compiler.save_cache_artifacts() if artifacts is not None else None
+    if saved is not None:
+        Path(artifacts).write_bytes(saved[0])
     return seconds

@@ -7,6 +7,8 @@ Models: tiny random Llama / Qwen2 built from configs (as tests/test_hf_integrati
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -549,6 +551,24 @@ def test_warm_up_then_no_recompile() -> None:
     assert torch.equal(got, expected) and static_addresses(serving) == addresses
     with pytest.raises(TypeError, match="warm_up warms a StaticLatentKVCache, got LatentKVCache"):
         fe.warm_up(model, [300], cache=LatentKVCache(EVICTING))
+
+
+@pytest.mark.slow
+def test_warm_up_writes_and_reads_compiled_artifacts(tmp_path: Path) -> None:
+    """``warm_up(..., artifacts=path)`` writes inductor's compiled artifacts to ``path``; torch takes them back (a new
+    process loads them before it compiles), and a second warm-up with the file loads it and rewrites it."""
+    config = EVICTING.replace(decode_delay=1, recompress_every=2)
+    torch.manual_seed(0)
+    model = enable(LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 1})).eval(), config)
+    torch._dynamo.reset()
+    path = tmp_path / "artifacts.bin"
+    fe.warm_up(model, [200], compile_config=cpu_compile("inductor"), new_tokens=4, artifacts=path)
+    assert path.is_file() and path.stat().st_size > 0
+    info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    assert info is not None and info.inductor_artifacts
+    first = path.stat().st_mtime_ns
+    fe.warm_up(model, [200], compile_config=cpu_compile("inductor"), new_tokens=4, artifacts=path)
+    assert path.stat().st_mtime_ns >= first and path.stat().st_size > 0
 
 
 def test_a_user_compiled_model_decodes_phase_one_through_placeholders() -> None:

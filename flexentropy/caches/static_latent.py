@@ -78,6 +78,7 @@ class StaticLatentLayer(PolicyLayer):
         self.buffers: dict[str, torch.Tensor] = {}
         self.prompt_buffers: dict[str, torch.Tensor] = {}
         self.prompt_capacity: int | None = None
+        self._stale = False   # `keys`/`values`/`window` lag behind `_live` until read (`_refresh`)
         super().__init__(*args, **kwargs)
         self.capacity = self.policy.budget + self.policy.recompress_every
         # phase 1 appends one token a step to the whole prompt's entries: in place, not a copy of them per step
@@ -88,10 +89,58 @@ class StaticLatentLayer(PolicyLayer):
         self.kernel = "auto"
 
     def _clear(self) -> None:
+        self._stale = False
         super()._clear()
         self.static = False
         self.flash = False
         self.active = self.buffers
+        self._live = 0   # entries in the buffers (static): `stored`
+
+    # -- the views of the buffers' live parts, taken when read: a static step only counts ----------------------------
+    def _refresh(self) -> None:
+        self._stale = False
+        self._view(self._live)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._refresh()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if self._stale:
+            self._refresh()
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._refresh()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if self._stale:
+            self._refresh()
+        self._values = value
+
+    @property
+    def window(self) -> torch.Tensor | None:
+        if self._stale:
+            self._refresh()
+        return self._window
+
+    @window.setter
+    def window(self, value: torch.Tensor | None) -> None:
+        if self._stale:
+            self._refresh()
+        self._window = value
+
+    @property
+    def stored(self) -> int:
+        """Entries held per KV head (`PolicyLayer.stored`); static: the count, without taking the views."""
+        return self._live if self.static else super().stored
 
     # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
     def _allocate(self, stage: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], like: torch.Tensor,
@@ -118,7 +167,7 @@ class StaticLatentLayer(PolicyLayer):
         if self.ragged is not None or self.window is None:
             raise RuntimeError(f"{self.owner} layer {self.layer_idx}: cannot switch to static buffers "
                                f"(ragged layer or no queries handed over)")
-        batch, kv_heads, _, dim = self.keys.shape
+        batch, kv_heads, self._live, dim = self.keys.shape
         size = self.capacity if stage is self.buffers else self.prompt_capacity
         self._allocate(stage, "keys", (batch, kv_heads, size, dim), self.keys)
         self._allocate(stage, "values", (batch, kv_heads, size, self.values.shape[-1]), self.values)
@@ -142,10 +191,11 @@ class StaticLatentLayer(PolicyLayer):
 
     def _view(self, stored: int) -> None:
         """Point ``keys``/``values``/``window`` (what policies and readers see) at the buffers' live parts."""
-        self.keys = self.active["keys"][:, :, :stored]
-        self.values = self.active["values"][:, :, :stored]
+        self._live = stored
+        self._keys = self.active["keys"][:, :, :stored]
+        self._values = self.active["values"][:, :, :stored]
         held = min(self.policy.window, self.observed)
-        self.window = self.buffers["window"][:, :, self.policy.window - held:]
+        self._window = self.buffers["window"][:, :, self.policy.window - held:]
 
     def due(self, q_len: int) -> bool:
         """Whether the next step (``q_len`` tokens) runs on static buffers: the layer is static, its policy has
@@ -169,11 +219,12 @@ class StaticLatentLayer(PolicyLayer):
     def advance(self, q_len: int) -> int:
         """Account for a static step's ``q_len`` tokens (after any decision); returns the slot the first is written
         to."""
-        slot = self.keys.shape[-2]
+        slot = self.stored
         self.previous_generated = self.generated
         self.seen += q_len
         self.observed += q_len
-        self._view(slot + q_len)
+        self._live = slot + q_len
+        self._stale = True
         return slot
 
     def begin_turn(self, q_len: int) -> None:

@@ -301,6 +301,11 @@ def test_compiled_selection_equals_eager_across_lengths_without_recompiles() -> 
         if i == 2:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "selection recompiled for a new length"
+    pooled = cfg.replace(observation="pooled")     # its observation runs eagerly, the rest in the selection graph
+    for n in (1500, 3000):
+        q, k, _ = _qkv(n=n, d=32)
+        assert torch.equal(fe.select_blocks(q, k, pooled, compiled=True).blocks,
+                           fe.select_blocks(q, k, pooled, compiled=False).blocks), n
 
 
 def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -160,8 +160,9 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     sqrt(D) + log(count)`` (the block's log-sum-exp if its keys' logits were equal; lower by Jensen's inequality
     otherwise), and its mass per block is the softmax over those logits, averaged over the segment's probes.
 
-    Compute ``~N^2 D probes / (2 L_S L_B)`` multiply-adds per head (``L_B`` times less than `probe_block_mass`); no
-    ``N x N`` tensor: probe rows go in chunks of at most `PROBE_CHUNK_SCORES` block scores.
+    Compute ``~N^2 D probes / (2 L_S L_B)`` multiply-adds per head (``L_B`` times less than `probe_block_mass`) and
+    one pass over the keys; no ``N x N`` tensor: probe rows go in chunks of at most `PROBE_CHUNK_SCORES` block
+    scores.
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
@@ -171,11 +172,16 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     """
     batch, q_heads, n, dim = q.shape
     group, dtype = q_heads // k.shape[1], compute_dtype(q.dtype)
-    means = block_means(k, block_size)                                                    # [B, Hkv, C_B, D]
-    num_blocks = means.shape[-2]
-    # the keys of its own block a probe sees: a prefix of the block, as a running sum within each block
-    within = rearrange(F.pad(k.to(dtype), (0, 0, 0, num_blocks * block_size - n)), "b h (c s) d -> b h c s d",
-                       s=block_size).cumsum(dim=-2).flatten(2, 3)                         # [B, Hkv, C_B * L_B, D]
+    num_blocks = -(-n // block_size)
+    # every probe ends a run of `grain` keys: running sums of the runs within each block give a probe its own block's
+    # keys up to it, and the block's whole sum; one pass over the keys, N / grain sums kept
+    grain = math.gcd(segment_size // probes, block_size)
+    padded = F.pad(k, (0, 0, 0, num_blocks * block_size - n)) if n % block_size else k
+    within = rearrange(padded, "b h (c s t) d -> b h c s t d", s=block_size // grain, t=grain).sum(-2, dtype=dtype)
+    within = within.cumsum(dim=-2)                                                        # [B, Hkv, C_B, L_B/grain, D]
+    counts = torch.clamp(n - torch.arange(num_blocks, device=q.device) * block_size, max=block_size)
+    means = within[..., -1, :] / counts[:, None].to(dtype)                                # [B, Hkv, C_B, D]
+    within = within.flatten(2, 3)                                                         # [B, Hkv, C_B L_B/grain, D]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()             # [R]
     step = scale / math.sqrt(dim)
     per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * num_blocks) // probes * probes)
@@ -186,7 +192,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         count = (rows - own * block_size + 1).to(dtype)                                   # its keys the probe sees
         queries = rearrange(q[:, :, rows].to(dtype), "b (h g) r d -> b h g r d", g=group)
         logits = torch.einsum("bhgrd,bhcd->bhgrc", queries, means) * step + math.log(block_size)
-        partial = within[:, :, rows] / count[:, None]                                     # [B, Hkv, R, D]
+        partial = within[:, :, rows // grain] / count[:, None]                            # [B, Hkv, R, D]
         own_logit = torch.einsum("bhgrd,bhrd->bhgr", queries, partial) * step + count.log()
         blocks = torch.arange(num_blocks, device=q.device)
         logits = torch.where(blocks == own[:, None], own_logit[..., None], logits)

@@ -281,16 +281,18 @@ class StaticLatentLayer(PolicyLayer):
     # -- readers ------------------------------------------------------------------------------------------------
     @property
     def slots_in_use(self) -> int:
-        """Entries per KV head of the buffers a step reads now: `prompt_capacity` in a captured phase 1, else `capacity`
-        (a constant of the phase, not of the request)."""
+        """Entries per KV head of the buffers a step writes now: `prompt_capacity` in a captured phase 1, else
+        `capacity`."""
         return self.prompt_capacity if self.static and self.active is self.prompt_buffers else self.capacity
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """A prompt: its own size; a decode step: ``(C, 0)``, a constant (the step ignores HF's mask). A static step
-        reads only the ``static`` flag: a traced read of the prompt's length would specialise the graph to it."""
+        """A prompt: its own size; a decode step: ``(C, 0)``, a constant (the step ignores HF's mask), also in a
+        captured phase 1 and before the step that enters the buffers (HF may size the mask before `prepare`): one mask
+        shape for every decode graph. A static step reads only the ``static`` flag: a traced read of the prompt's
+        length would specialise the graph to it."""
         if not self.static and self.prompt_length is None:
             return super().get_mask_sizes(query_length)
-        return self.slots_in_use, 0
+        return self.capacity, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(f"{self.owner} does not support beam search; use LatentKVCache")
@@ -482,7 +484,7 @@ class StaticLatentKVCache(LatentKVCache):
         compiled step never depends on the count."""
         layer = self.layers[layer_idx]
         if torch.compiler.is_compiling():
-            return layer.slots_in_use if layer.is_initialized else 0
+            return layer.capacity if layer.is_initialized else 0
         return layer.stored
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:

@@ -15,11 +15,12 @@ if TYPE_CHECKING:
 from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, is_number, label
 
 Q_BLOCK_SIZE = 128
+"""Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
+
 OBSERVATIONS = ("paper", "critiprefill", "probe", "pooled")
 """The prefill observations (`EntropyConfig.observation`, `flexentropy.prefill.observation_attention`)."""
 MASS_OBSERVATIONS = ("probe", "pooled")
 """Observations whose row is the probes' attention mass over the candidate blocks, not a distribution over them."""
-"""Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 BACKENDS = ("auto", "triton", "flash")
 DECODE_KERNELS = ("auto", "sdpa", "flash")

@@ -89,7 +89,8 @@ def block_means(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 PROBE_CHUNK_SCORES = 2**26
-"""Most probe scores alive at once in the eager scored path (256 MiB in float32): probe rows are scored in chunks."""
+"""Most probe scores alive at once in the eager scored path, and block scores in `pooled_block_mass` (256 MiB in
+float32): probe rows are scored in chunks."""
 
 PROBE_CHUNK_SCORES_COMPILED = 2**28
 """The same for the compiled scored path, which reduces each block's scores in registers, so it can score larger
@@ -102,6 +103,18 @@ def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.
     (``s L_S + (i + 1) L_S / probes - 1``), clamped to the last token. int64 ``[C_S, probes]``."""
     rows = torch.arange(-(-seq_len // segment_size) * probes, device=device)
     return probe_row_position(rows, probes, segment_size, segment_size // probes, seq_len - 1).view(-1, probes)
+
+
+def probe_rows_per_chunk(probes: int, limit: int, per_row: int) -> int:
+    """Probe rows scored together: the probes of whole segments (a multiple of ``probes``, at least one segment's),
+    as many as keep ``rows * per_row`` within ``limit``."""
+    return max(probes, limit // per_row // probes * probes)
+
+
+def segment_means(masses: list[torch.Tensor], probes: int) -> torch.Tensor:
+    """Per-segment mean of the probe rows' block masses: ``masses`` are ``[B, Hq, R_i, C_B]`` chunks of the rows in
+    order (`probe_positions` flattened); returns ``[B, Hq, C_S, C_B]``."""
+    return rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes).mean(dim=-2)
 
 
 def probe_row_position(row: torch.Tensor, probes: int | torch.Tensor, segment_size: int | torch.Tensor,
@@ -140,7 +153,7 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
     num_blocks = -(-n // block_size)
     limit = PROBE_CHUNK_SCORES_COMPILED if compiled else PROBE_CHUNK_SCORES
-    per_chunk = max(probes, limit // (batch * q_heads * n) // probes * probes)
+    per_chunk = probe_rows_per_chunk(probes, limit, batch * q_heads * n)
     score = _compiled_scored_chunk if compiled else _scored_chunk
     masses = []
     with no_silent_fallback() if compiled else contextlib.nullcontext():
@@ -149,8 +162,7 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
             keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
             mass = score(q, k[..., :keys_seen, :], positions[start:stop], scale, block_size)
             masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
-    mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
-    return mass.mean(dim=-2)
+    return segment_means(masses, probes)
 
 
 def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
@@ -184,7 +196,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     within = within.flatten(2, 3)                                                         # [B, Hkv, C_B L_B/grain, D]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()             # [R]
     step = scale / math.sqrt(dim)
-    per_chunk = max(probes, PROBE_CHUNK_SCORES // (batch * q_heads * num_blocks) // probes * probes)
+    per_chunk = probe_rows_per_chunk(probes, PROBE_CHUNK_SCORES, batch * q_heads * num_blocks)
     masses = []
     for start in range(0, positions.shape[0], per_chunk):       # chunks of whole segments
         rows = positions[start:start + per_chunk]
@@ -198,8 +210,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         logits = torch.where(blocks == own[:, None], own_logit[..., None], logits)
         logits = logits.masked_fill(blocks > own[:, None], float("-inf"))
         masses.append(rearrange(torch.softmax(logits, dim=-1), "b h g r c -> b (h g) r c"))
-    mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
-    return mass.mean(dim=-2)
+    return segment_means(masses, probes)
 
 
 def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -295,7 +306,7 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     one_hot = (block[:, None] == torch.arange(value_dim, device=q.device)).to(dtype)      # [W, V]
     positions = probe_positions(n, segment_size, probes, q.device).flatten()
     total = positions.shape[0]
-    per_call = max(probes, PROBE_KERNEL_OUTPUTS // (batch * chunks * q_heads * value_dim) // probes * probes)
+    per_call = probe_rows_per_chunk(probes, PROBE_KERNEL_OUTPUTS, batch * chunks * q_heads * value_dim)
     # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
     options = {"BACKEND": "TRITON"} if q.is_cuda else None
     values = one_hot.repeat(chunks * batch, kv_heads, 1, 1)                              # [C*B, Hkv, W, V]
@@ -318,5 +329,4 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
             share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))
             mass = rearrange(out * share[..., None], "b c h r v -> b h r (c v)")[..., :num_blocks]
             masses.append(mass)
-    mass = rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes)
-    return mass.mean(dim=-2)
+    return segment_means(masses, probes)

@@ -35,6 +35,8 @@ from flexentropy.sparse.plan import causal_blocks  # noqa: E402
 
 GEOMETRY = dict(segment_size=512, block_size=128, dense_prefix=4096)
 PROBE = dict(observation="probe", budget_rule="coverage")
+SEG256 = dict(segment_size=256)   # the default's geometry and coverage; the base GEOMETRY has segments of 512
+POOLED = dict(SEG256, observation="pooled")
 
 
 def _depth(layer: int, late: float) -> float:
@@ -60,15 +62,12 @@ RULES: dict[str, tuple[str, Knobs]] = {
     "xattention 0.9": ("xattention", dict(threshold=0.9)),
     "xattention 0.8": ("xattention", dict(threshold=0.8)),
     # the cheap observations of docs/quality.md, at the default's geometry (segments of 256, coverage 0.8)
-    "seg 256: probe 16 (default)": ("entropy", dict(segment_size=256)),
-    "seg 256: probe 8": ("entropy", dict(segment_size=256, probes=8)),
-    "seg 256: probe 4": ("entropy", dict(segment_size=256, probes=4)),
-    "seg 256: pooled 16": ("entropy", dict(segment_size=256, observation="pooled")),
-    "seg 256: pooled 32": ("entropy", dict(segment_size=256, observation="pooled", probes=32)),
-    "seg 256: pooled 16, coverage 0.7": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.7)),
-    "seg 256: pooled 16, coverage 0.75": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.75)),
-    "seg 256: pooled 16, coverage 0.85": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.85)),
-    "seg 256: pooled 16, coverage 0.9": ("entropy", dict(segment_size=256, observation="pooled", coverage=0.9)),
+    "seg 256: probe 16 (default)": ("entropy", SEG256),
+    "seg 256: probe 8": ("entropy", dict(SEG256, probes=8)),
+    "seg 256: probe 4": ("entropy", dict(SEG256, probes=4)),
+    "seg 256: pooled 16": ("entropy", POOLED),
+    "seg 256: pooled 32": ("entropy", dict(POOLED, probes=32)),
+    **{f"seg 256: pooled 16, coverage {c}": ("entropy", dict(POOLED, coverage=c)) for c in (0.7, 0.75, 0.85, 0.9)},
 }
 PER_LAYER = ("probe, coverage 0.7", "probe, coverage 0.8 (default)", "probe, coverage 0.9")
 

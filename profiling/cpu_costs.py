@@ -1,0 +1,147 @@
+"""Host-side costs measured on the CPU (docs/performance.md, "Built, not yet timed on the GPU"; docs/quality.md):
+
+    python profiling/cpu_costs.py --out docs/results/cpu_costs.json
+
+Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
+
+* ``prepare``: `StaticLatentKVCache.prepare` of a decode step, the eager work before each captured step, on a tiny
+  32-layer Llama (512-token prompt, budget 64): median and 90th percentile over the steps without a decision.
+* ``observation``: one layer's probe observation (scored path) against the pooled one, 14 query / 2 KV heads, D 64,
+  random inputs, best of 3.
+* ``warm_up``: `fe.warm_up` of an 8-layer tiny Llama (inductor, phase 1 captured) in fresh processes: an empty
+  inductor cache dir, the same dir again, and an empty dir after loading the first run's compiled artifacts.
+
+CPU figures: they rank the paths on the host, they are not GPU timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_json  # noqa: E402
+
+import flexentropy as fe  # noqa: E402
+
+
+def tiny_llama(layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+                         num_hidden_layers=layers, vocab_size=256, max_position_embeddings=8192)
+    return LlamaForCausalLM(config).eval()
+
+
+def prepare_rows(steps: int = 120) -> list[dict]:
+    model = tiny_llama(32)
+    cfg = fe.EntropyConfig(decode_budget=64, recompress_every=32, dense_prefix=1 << 20)
+    fe.enable(model, cfg, prefill="dense")
+    cache = fe.StaticLatentKVCache(cfg, model=model)
+    ids = torch.randint(0, 256, (1, 512), generator=torch.Generator().manual_seed(0))
+
+    def request() -> list[float]:
+        cache.reset()
+        times = []
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                start = time.perf_counter()
+                cache.prepare(1)
+                times.append((time.perf_counter() - start) * 1e3)
+                with cache.prepared(1):
+                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return times
+
+    request()   # warm
+    times = request()
+    delay, every = cfg.decode_delay, cfg.recompress_every
+    steady = sorted(t for i, t in enumerate(times) if i > delay and (i - delay) % every)
+    return [{"part": "prepare", "layers": 32, "steps": len(steady), "median_ms": statistics.median(steady),
+             "p90_ms": steady[int(0.9 * len(steady))], "first_eviction_ms": times[delay]}]
+
+
+def observation_rows() -> list[dict]:
+    from flexentropy.prefill.estimate import pooled_block_mass, probe_block_mass
+
+    rows = []
+    for n in (16384, 32768):
+        gen = torch.Generator().manual_seed(0)
+        q, k = torch.randn(1, 14, n, 64, generator=gen), torch.randn(1, 2, n, 64, generator=gen)
+        for name, fn in (("probe_scored", probe_block_mass), ("pooled", pooled_block_mass)):
+            fn(q, k, 256, 128, 16)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn(q, k, 256, 128, 16)
+                times.append((time.perf_counter() - start) * 1e3)
+            rows.append({"part": "observation", "observation": name, "n": n, "best_of_3_ms": min(times)})
+    return rows
+
+
+def warm_up_once(mode: str, artifacts: str) -> float:
+    """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
+    from transformers.generation import CompileConfig
+
+    if mode == "load":
+        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
+    model = tiny_llama(8)
+    cfg = fe.EntropyConfig(segment_size=256, block_size=128, dense_prefix=512, decode_budget=96, decode_delay=4,
+                           recompress_every=8)
+    fe.enable(model, cfg)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=2048)
+    start = time.perf_counter()
+    fe.warm_up(model, [900, 1234], cache=cache, compile_config=compile_config,
+               artifacts=artifacts if mode == "save" else None)
+    return time.perf_counter() - start
+
+
+def warm_up_rows() -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = str(Path(tmp) / "artifacts.bin")
+        for mode, cache_dir in (("save", "a"), ("same_cache_dir", "a"), ("load", "b")):
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache_dir)}
+            out = subprocess.run([sys.executable, __file__, "--warm-up-child", mode, artifacts], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            rows.append({"part": "warm_up", "mode": {"save": "cold"}.get(mode, mode),
+                         "seconds": json.loads(out.strip().splitlines()[-1])["seconds"],
+                         "artifacts_bytes": Path(artifacts).stat().st_size})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="prepare,observation,warm_up")
+    parser.add_argument("--out", default="docs/results/cpu_costs.json")
+    parser.add_argument("--tag", default="", help="label of the rows (e.g. the commit measured)")
+    parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warm_up_child:
+        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child)}))
+        return
+    parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": warm_up_rows}
+    path = Path(args.out)
+    payload = json.loads(path.read_text()) if path.is_file() else {"benchmark": "cpu_costs", "rows": []}
+    for part in args.parts.split(","):
+        for row in parts[part]():
+            row.update(tag=args.tag, environment=environment())
+            payload["rows"].append(row)
+            print({key: value for key, value in row.items() if key != "environment"}, flush=True)
+            write_json(path, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -41,6 +41,20 @@ def no_silent_fallback() -> Iterator[None]:
         ) from err
 
 
+def keep_dynamic(*tensors: torch.Tensor, dims: tuple[int, ...]) -> None:
+    """Keep the sizes of ``dims`` of ``tensors`` (lengths, block counts) symbolic in the next compiled call.
+
+    Dynamo gives equal sizes one symbol, and flex keeps head counts and the head dim static: a first call whose block
+    count equals one of them would compile that count as a constant, and the next length would recompile. Inside an
+    outer compile the outer graph decides, so this marks nothing there.
+    """
+    if torch.compiler.is_compiling():
+        return
+    for tensor in tensors:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim % tensor.dim())
+
+
 @torch.compiler.disable
 def eager(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` outside any compiled region (dynamo breaks the graph here instead of tracing it)."""

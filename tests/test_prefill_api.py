@@ -257,6 +257,25 @@ def test_a_block_count_equal_to_the_head_dim_stays_dynamic() -> None:
 
 
 @pytest.mark.slow
+def test_a_first_length_whose_counts_equal_static_sizes_compiles_for_every_length() -> None:
+    """Flex keeps head counts and the head dim static, and dynamo gives equal sizes one symbol. With 8 query heads
+    and head dim 8, 900 tokens are 8 query and 8 key blocks of 128, and 2 probes a segment give 8 probe rows: the
+    first call's graphs (kernel, selection, probe scores) must still serve the next lengths."""
+    cfg = EntropyConfig(segment_size=256, block_size=128, dense_prefix=512, probes=2)
+
+    def run(n: int) -> None:
+        q, k, v = _qkv(hq=8, n=n, d=8)
+        fe.select_blocks(q, k, cfg, compiled=True)
+        assert torch.isfinite(sparse_prefill_attention(q, k, v, cfg)).all()
+
+    torch._dynamo.reset()
+    run(900)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (1234, 1500):
+            run(n)
+
+
+@pytest.mark.slow
 def test_twelve_lengths_compile_once_and_never_fall_back() -> None:
     from torch._dynamo.utils import counters
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from flexentropy._compile import no_silent_fallback
+from flexentropy._compile import keep_dynamic, no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE
 
 
@@ -160,7 +160,10 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
         for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
             stop = min(start + per_chunk, positions.shape[0])
             keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
-            mass = score(q, k[..., :keys_seen, :], positions[start:stop], scale, block_size)
+            rows = positions[start:stop].clone()                # not a view: dynamo would guard its base's size
+            if compiled:
+                keep_dynamic(rows, dims=(0,))
+            mass = score(q, k[..., :keys_seen, :], rows, scale, block_size)
             masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
     return segment_means(masses, probes)
 

@@ -12,7 +12,7 @@ import torch
 import torch._inductor.exc
 
 from flexentropy._checks import check_layer_idx, check_qk
-from flexentropy._compile import no_silent_fallback
+from flexentropy._compile import keep_dynamic, no_silent_fallback
 from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
 from flexentropy.prefill.budgets import MAX_SEGMENTS, fluctuation_budgets
 from flexentropy.prefill.entropies import rigid_heads, segment_entropy
@@ -223,7 +223,9 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig,
     try:
         with no_silent_fallback():
             if config.observation in MASS_OBSERVATIONS:     # a loop over chunks of probe rows
-                return _compiled_select(_observe(q, k, config, compiled=True), config, q.shape[-2])
+                a_obs = _observe(q, k, config, compiled=True)
+                keep_dynamic(a_obs, dims=(-2, -1))          # C_S, C_B of [B, Hq, C_S, C_B]
+                return _compiled_select(a_obs, config, q.shape[-2])
             return _compiled_plan_tensors(q, k, config)
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
             torch._inductor.exc.InductorError) as err:

@@ -14,7 +14,7 @@ import importlib
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from flexentropy._compile import no_silent_fallback
+from flexentropy._compile import keep_dynamic, no_silent_fallback
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, make_block_mask
 
 COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,12 +85,8 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     if not compiled:
         return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
-    # The block count C_B of the index tensors [B, H, C_Q, C_B] must stay dynamic: dynamo gives equal sizes one
-    # symbol and flex keeps the head dim static, so a first call with C_B == D would make C_B static too (and
-    # recompile at the next length). Inside an outer compile, the outer graph decides.
-    if not torch.compiler.is_compiling():
-        for indices in tensors[1::2]:
-            torch._dynamo.maybe_mark_dynamic(indices, 3)
+    keep_dynamic(*tensors[0::2], dims=(-1,))        # C_Q of the counts [B, H, C_Q]
+    keep_dynamic(*tensors[1::2], dims=(-2, -1))     # C_Q, C_B of the indices [B, H, C_Q, C_B]
     with no_silent_fallback():
         out = _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)
     return out.masked_fill(nan_rows(q, k, v), float("nan"))

@@ -9,7 +9,8 @@ Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
 * ``observation``: one layer's probe observation (scored path) against the pooled one, 14 query / 2 KV heads, D 64,
   random inputs, best of 3.
 * ``warm_up``: `fe.warm_up` of an 8-layer tiny Llama (inductor, phase 1 captured) in fresh processes: an empty
-  inductor cache dir, the same dir again, and an empty dir after loading the first run's compiled artifacts.
+  inductor cache dir, the same dir again, and an empty dir after loading the first run's compiled artifacts; each
+  row lists the graphs dynamo compiled and the seconds each took.
 
 CPU figures: they rank the paths on the host, they are not GPU timings.
 """
@@ -89,6 +90,14 @@ def observation_rows() -> list[dict]:
     return rows
 
 
+def compiled_graphs() -> list[dict]:
+    """The graphs dynamo compiled in this process so far: function, compile id and seconds (whole frame)."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return [{"function": m.co_name, "file": Path(m.co_filename or "").name, "compile_id": str(m.compile_id),
+             "seconds": m.entire_frame_compile_time_s} for m in get_compilation_metrics()]
+
+
 def warm_up_once(mode: str, artifacts: str) -> float:
     """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
     from transformers.generation import CompileConfig
@@ -116,9 +125,9 @@ def warm_up_rows() -> list[dict]:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache_dir)}
             out = subprocess.run([sys.executable, __file__, "--warm-up-child", mode, artifacts], env=env, check=True,
                                  capture_output=True, text=True).stdout
-            rows.append({"part": "warm_up", "mode": {"save": "cold"}.get(mode, mode),
-                         "seconds": json.loads(out.strip().splitlines()[-1])["seconds"],
-                         "artifacts_bytes": Path(artifacts).stat().st_size})
+            child = json.loads(out.strip().splitlines()[-1])
+            rows.append({"part": "warm_up", "mode": {"save": "cold"}.get(mode, mode), "seconds": child["seconds"],
+                         "graphs": child["graphs"], "artifacts_bytes": Path(artifacts).stat().st_size})
     return rows
 
 
@@ -130,7 +139,7 @@ def main() -> None:
     parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_child:
-        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child)}))
+        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child), "graphs": compiled_graphs()}))
         return
     parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": warm_up_rows}
     path = Path(args.out)

@@ -54,6 +54,24 @@ from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode import decode_attention, flash_decode, flash_decode_usable, grouped_attention
 
 
+def _taken_when_read(name: str) -> property:
+    """`PolicyLayer` attribute ``name`` as a property of `StaticLatentLayer` that brings the layer's views up to date
+    (`StaticLatentLayer._refresh`) before it is read or replaced."""
+    private = f"_{name}"
+
+    def get(self: StaticLatentLayer) -> torch.Tensor | None:
+        if self._stale:
+            self._refresh()
+        return getattr(self, private)
+
+    def set(self: StaticLatentLayer, value: torch.Tensor | None) -> None:
+        if self._stale:
+            self._refresh()
+        setattr(self, private, value)
+
+    return property(get, set)
+
+
 class StaticLatentLayer(PolicyLayer):
     """One layer of a `StaticLatentKVCache` (module docstring). Besides `PolicyLayer`'s state:
 
@@ -101,41 +119,9 @@ class StaticLatentLayer(PolicyLayer):
         self._stale = False
         self._view(self._live)
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._stale:
-            self._refresh()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if self._stale:
-            self._refresh()
-        self._keys = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._stale:
-            self._refresh()
-        return self._values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if self._stale:
-            self._refresh()
-        self._values = value
-
-    @property
-    def window(self) -> torch.Tensor | None:
-        if self._stale:
-            self._refresh()
-        return self._window
-
-    @window.setter
-    def window(self, value: torch.Tensor | None) -> None:
-        if self._stale:
-            self._refresh()
-        self._window = value
+    keys = _taken_when_read("keys")
+    values = _taken_when_read("values")
+    window = _taken_when_read("window")
 
     @property
     def stored(self) -> int:

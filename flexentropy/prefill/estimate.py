@@ -160,8 +160,9 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
         for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
             stop = min(start + per_chunk, positions.shape[0])
             keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
-            rows = positions[start:stop].clone()                # not a view: dynamo would guard its base's size
+            rows = positions[start:stop]
             if compiled:
+                rows = rows.clone()                             # not a view: dynamo would guard its base's size
                 keep_dynamic(rows, dims=(0,))
             mass = score(q, k[..., :keys_seen, :], rows, scale, block_size)
             masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
@@ -200,6 +201,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     positions = probe_positions(n, segment_size, probes, q.device).flatten()             # [R]
     step = scale / math.sqrt(dim)
     per_chunk = probe_rows_per_chunk(probes, PROBE_CHUNK_SCORES, batch * q_heads * num_blocks)
+    blocks = torch.arange(num_blocks, device=q.device)
     masses = []
     for start in range(0, positions.shape[0], per_chunk):       # chunks of whole segments
         rows = positions[start:start + per_chunk]
@@ -209,7 +211,6 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         logits = torch.einsum("bhgrd,bhcd->bhgrc", queries, means) * step + math.log(block_size)
         partial = within[:, :, rows // grain] / count[:, None]                            # [B, Hkv, R, D]
         own_logit = torch.einsum("bhgrd,bhrd->bhgr", queries, partial) * step + count.log()
-        blocks = torch.arange(num_blocks, device=q.device)
         logits = torch.where(blocks == own[:, None], own_logit[..., None], logits)
         logits = logits.masked_fill(blocks > own[:, None], float("-inf"))
         masses.append(rearrange(torch.softmax(logits, dim=-1), "b h g r c -> b (h g) r c"))

@@ -20,7 +20,11 @@ unpadded batch: the first ``C - 26`` entries of every row, a step between two re
   per KV head;
 * ``flash``: `flexentropy.kv.decode.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one split:
   4.0.0b36 asserts "SplitKV not supported on SM 9.0" for more), masked by the count of valid entries per row
-  (``StaticLatentLayer.lengths``), where flash-attn-4 is importable: what the captured step runs when it can.
+  (``StaticLatentLayer.lengths``), where flash-attn-4 is importable: what the captured step runs when it can;
+* ``flash_split``: the same kernel over ``--partitions`` equal parts of each row's entries, each a row of its own,
+  merged by their log-sum-exps (`flash_decode` with ``splits``; batch 1 only);
+* ``cudnn_nomask``: SDPA held to cuDNN over every entry, no mask (the strong dense decode's attention: a full
+  buffer needs none).
 
 Each row has ``us_per_layer`` and the max abs difference from ``matmul`` in float64. Linears: ``x [B, 1, hidden]``
 through a Llama-3.1-8B layer's seven projections, or through four with q/k/v and gate/up fused, with the bytes
@@ -44,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, time_ms, write_json  # noqa: E402
 
-from flexentropy.kv.decode import flash_decode, grouped_attention  # noqa: E402
+from flexentropy.kv.decode import flash_decode, grouped_attention, split_count  # noqa: E402
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -114,12 +118,18 @@ def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
     return out.reshape(batch, q_heads, 1, -1).to(q.dtype)
 
 
-BY_LENGTH = {"flash"}
+BY_LENGTH = {"flash", "flash_split"}
 """Variants that take the count of valid entries per row ``[B]`` in place of the mask."""
+
+def cudnn_nomask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
 
 ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa_masked": sdpa_masked, "sdpa_efficient": sdpa_efficient, "matmul": matmul, "flex": flex,
-    "reduced": reduced, "split": split, "flash": flash_decode}
+    "reduced": reduced, "split": split, "flash": flash_decode, "flash_split": flash_decode,
+    "cudnn_nomask": cudnn_nomask}
 
 
 def replay_ms(step: Callable[[], object], device: torch.device) -> float:
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=1056, help="decode_budget + recompress_every (1024 + 32)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--partitions", type=int, default=16, help="split: chunks of the entries")
+    p.add_argument("--partitions", type=int, default=16, help="split, flash_split: chunks of the entries")
     p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     p.add_argument("--parts", default="attention,linears")
     p.add_argument("--out", default="docs/results/decode_static/decode_attention.json")
@@ -213,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs a CUDA GPU (CUDA graphs)")
     device = torch.device("cuda")
     ATTENTION["split"] = functools.partial(split, parts=args.partitions)
+    ATTENTION["flash_split"] = functools.partial(flash_decode, splits=split_count(1, args.capacity, args.partitions))
     rows = []
     if "attention" in args.parts:
         rows += attention_rows(args, device)

@@ -7,6 +7,8 @@ being decoded, so a decode step needs no mask at all: one SDPA call (flash backe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -43,38 +45,80 @@ def flash_decode_usable(kernel: str, keys: torch.Tensor, padded: bool) -> bool:
 
 @torch.library.custom_op("flexentropy::flash_decode", mutates_args=())
 def _flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     from flash_attn.cute import flash_attn_varlen_func
 
-    out, _ = flash_attn_varlen_func(query, keys, values, seqused_k=lengths, softmax_scale=scale, num_splits=1,
-                                    pack_gqa=True)   # (out, lse)
-    return out
+    out, lse = flash_attn_varlen_func(query, keys, values, seqused_k=lengths, softmax_scale=scale, num_splits=1,
+                                      pack_gqa=True, return_lse=True)
+    return out, lse
 
 
 @_flash_decode.register_fake
 def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-      scale: float) -> torch.Tensor:
-    return query.new_empty(*query.shape[:-1], values.shape[-1])
+      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, q_len, heads = query.shape[:3]
+    return query.new_empty(batch, q_len, heads, values.shape[-1]), query.new_empty(batch, heads, q_len,
+                                                                                    dtype=torch.float32)
+
+
+PartialAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                            tuple[torch.Tensor, torch.Tensor]]
+"""``(query [B, 1, Hq, D], keys [B, T, Hkv, D], values [B, T, Hkv, Dv], lengths int32 [B], scale) -> (out
+[B, 1, Hq, Dv], lse float32 [B, Hq, 1])``: attention of each row over its first ``lengths[b]`` entries, with the
+log-sum-exp of its scores (flash-attn-4's layout)."""
+
+
+def split_count(batch: int, capacity: int, wanted: int) -> int:
+    """Splits of `flash_decode` for ``batch`` rows of ``capacity`` entries: the largest divisor of ``capacity`` up to
+    ``wanted`` (a split is then a view of the buffer), 1 for a batch of several rows (their splits would be copies)."""
+    if batch != 1:
+        return 1
+    return max(s for s in range(1, max(1, wanted) + 1) if capacity % s == 0)
 
 
 def flash_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, splits: int = 1, partial: PartialAttention = _flash_decode
+                 ) -> torch.Tensor:
     """One decode step over the first ``lengths[b]`` entries of each row, with flash-attn-4's kernel.
 
-    A custom op, so that a compiled step calls it inside its graph (and a CUDA graph replays it); GQA packed, one
-    split (its split-KV is not supported on SM 9.0, 4.0.0b36).
+    A custom op, so that a compiled step calls it inside its graph (and a CUDA graph replays it); GQA packed.
+    flash-attn-4 splits no row over several blocks on SM 9.0, so a long row runs on ``Hkv`` blocks only: with
+    ``splits > 1`` the entries are cut into ``splits`` equal parts, each attended as a row of its own (a view: the
+    parts of one row are consecutive), and the parts are merged by their log-sum-exps (split-KV, as
+    flash-decoding).
 
     Args:
         query: ``[B, Hq, 1, D]``; keys: ``[B, Hkv, C, D]``; values: ``[B, Hkv, C, Dv]`` (16-bit, CUDA).
-        lengths: int32 ``[B]``: row ``b`` attends to its entries ``0 .. lengths[b] - 1``, in every head.
+        lengths: int32 ``[B]``: row ``b`` attends to its entries ``0 .. lengths[b] - 1`` (at least one), in every
+            head.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        splits: parts of the entries (`split_count`: a divisor of ``C``; more than 1 only for a batch of one row).
+        partial: the kernel (`PartialAttention`); tests pass a reference.
 
     Returns:
         ``[B, Hq, 1, Dv]``, equal within rounding to `grouped_attention` under the prefix mask.
     """
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = _flash_decode(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), lengths, scale)
-    return out.transpose(1, 2)
+    batch, heads, capacity = query.shape[0], query.shape[1], keys.shape[2]
+    if splits == 1:
+        out, _ = partial(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), lengths, scale)
+        return out.transpose(1, 2)
+    if batch != 1 or capacity % splits:
+        raise ValueError(f"flash_decode splits {capacity} entries of one row into equal parts; got {splits} parts "
+                         f"of a batch of {batch}")
+    part = capacity // splits
+    starts = torch.arange(splits, device=lengths.device, dtype=lengths.dtype) * part
+    used = (lengths - starts).clamp(0, part)                                          # [S]
+
+    def pieces(tensor: torch.Tensor) -> torch.Tensor:   # [1, H, C, D] -> [S, part, H, D], a view
+        return tensor.transpose(1, 2).unflatten(1, (splits, part)).flatten(0, 1)
+
+    queries = query.transpose(1, 2).expand(splits, -1, -1, -1).contiguous()
+    out, lse = partial(queries, pieces(keys), pieces(values), used, scale)
+    lse = lse[:, :, 0].masked_fill(used[:, None] == 0, float("-inf"))                 # [S, Hq]
+    weights = (lse - lse.amax(0)).exp()
+    merged = (weights[:, :, None] * out[:, 0].float()).sum(0) / weights.sum(0)[:, None]
+    return merged.to(query.dtype).view(1, heads, 1, -1)
 
 
 def decode_attention(

@@ -1,0 +1,401 @@
+"""Where a generated token's time goes (issue 46): one long request through ``generate`` and through
+``fe.greedy_generate`` on a Llama-3.1-8B-shaped model (random bf16 weights, `fe.fuse_projections`), step by step,
+against the strongest dense decode these machines give.
+
+    source profiling/h200/setup.sh   # flash-attn-4 (decode kernel, FLASH prefill)
+    python profiling/decode_timeline.py --out docs/results/decode_timeline/after.json
+
+Parts (``--parts``):
+
+* ``dense``: the strong dense baseline. The same fused model over a transformers ``StaticCache`` of ``n + new``
+  entries; the prompt on cuDNN SDPA (TTFT: the forward and the first token); each decode step the eager HF forward
+  captured whole in one CUDA graph (with the argmax and the position's advance), its attention cuDNN SDPA over the
+  whole buffer with no mask (an ``AttentionInterface`` function, and no mask function); replayed in a plain loop.
+  Per token: ``(t_new - t_1) / (new - 1)``, the loop timed without the prefill.
+* ``flexentropy``: ``fe.enable(model, cfg)`` (the default observation, fixed budgets ``--prefill-budget`` as on the
+  issue's runs: density ~0.09), ``StaticLatentKVCache(cfg, model=model, max_prompt_length=n)``, ``fe.warm_up``
+  (timed: the cold warm-up of this process) through ``generate`` and again with ``loop=True``. For each
+  ``--new-tokens`` N: ``generate`` and ``greedy_generate`` of 1 and of N tokens (per token ``(t_N - t_1) /
+  (N - 1)``, prefill + N = ``t_N``); for the first N also a step record: every decode step's host wall time
+  (call to call), the GPU time of its forward (CUDA events around the call, no sync added) and its phase (phase 1,
+  the first eviction, a recompression, a static step), summed into an attribution of every millisecond per token
+  above the captured step.
+* ``profile``: one ``generate`` of the first N under torch.profiler: the host's top operators over the static steps
+  and the GPU's busy and idle time per step, written beside the JSON (``*_profile.txt``).
+* ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts)`` then one request of the
+  first N, timed from the warm-up's start (run it in fresh processes, with a kept ``TORCHINDUCTOR_CACHE_DIR`` or
+  the artifacts file, to see what each saves).
+
+Every row is written to ``--out`` as it completes (a lost machine keeps what ran). ``--device cpu --tiny`` checks the
+harness on a small model; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import environment, speed_config, sync, write_json  # noqa: E402
+from end_to_end import build_model  # noqa: E402
+
+import flexentropy as fe  # noqa: E402
+from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
+
+STEP_MARK = "decode_timeline.step"
+"""The profiler range around each recorded decode step."""
+
+DENSE = "flexentropy_dense_baseline"
+"""The strong dense baseline's name in transformers' attention and mask interfaces."""
+
+
+# -- the strong dense baseline ---------------------------------------------------------------------------------------
+def dense_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The dense baseline's attention over a ``StaticCache``: a prompt (``query`` of ``n`` tokens, the cache's
+    first ``n`` entries) causal; a decode step over the whole buffer with no mask (its unwritten entries are read
+    too: the step reads what a full buffer holds, the fastest a dense step over it can be)."""
+    n = query.shape[-2]
+    if n == 1:
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(query, key[:, :, :n], value[:, :, :n], is_causal=True, scale=scaling,
+                                             enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def dense_rows(model: Any, ids: torch.Tensor, news: list[int], device: torch.device) -> Iterator[dict]:
+    from transformers import AttentionInterface, StaticCache
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(DENSE, dense_attention)
+    AttentionMaskInterface.register(DENSE, no_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(DENSE)
+    n, keyword = ids.shape[1], cache_keyword(model)
+    cache = StaticCache(config=model.config, max_cache_len=n + max(news))
+    try:
+        with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                           SDPBackend.MATH]):
+            sync(device)
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids, **{keyword: cache}, use_cache=True, logits_to_keep=1).logits
+            first = logits[:, -1:].argmax(dim=-1)
+            sync(device)
+            ttft = time.perf_counter() - t0
+            token, position = first.clone(), torch.full_like(first, n)
+            lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+
+            def restore() -> None:   # back to the state right after the prompt
+                token.copy_(first)
+                position.fill_(n)
+                for layer, length in zip(cache.layers, lengths, strict=True):
+                    layer.cumulative_length.copy_(length)
+
+            def step() -> None:
+                out = model(input_ids=token, position_ids=position, **{keyword: cache}, use_cache=True,
+                            logits_to_keep=1).logits
+                token.copy_(out[:, -1:].argmax(dim=-1))
+                position.add_(1)
+
+            run = step
+            if device.type == "cuda":
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        step()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                restore()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                run = graph.replay
+            for new in news:
+                restore()
+                tokens = []
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(new - 1):
+                    run()
+                    if new == news[0]:
+                        tokens.append(token.clone())
+                sync(device)
+                seconds = time.perf_counter() - t0
+                yield {"part": "dense", "variant": "dense_captured_cudnn_nomask", "n": n, "new_tokens": new,
+                       "ttft_s": ttft, "per_token_ms": seconds / max(new - 1, 1) * 1e3,
+                       "total_s": ttft + seconds, "first_tokens": [int(first)] + [int(t) for t in tokens[:16]]}
+    finally:
+        model.set_attn_implementation(previous)
+
+
+# -- flexentropy -----------------------------------------------------------------------------------------------------
+def evictions(cache: Any) -> int:
+    """Decisions the cache applied so far (the latent policy's first eviction, then its recompressions)."""
+    count = getattr(cache, "evictions", None)
+    return int(count) if count is not None else int(cache.layers[0].evictions)
+
+
+class StepRecorder:
+    """Wraps ``model.get_compiled_call`` (what ``generate`` and `greedy_generate` call for every decode step): each
+    call's host start and end, CUDA events around it (recorded, never waited on during the run) and the cache's
+    decisions before and after, so that the phase of each step is known."""
+
+    def __init__(self, model: Any, cache: Any, device: torch.device, profiler: Any = None) -> None:
+        self.model, self.cache, self.device, self.steps = model, cache, device, []
+        self.active, self.profiler = False, profiler
+        inner = model.get_compiled_call
+
+        def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
+            call = inner(compile_config)
+
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                if not self.active:
+                    return call(*args, **kwargs)
+                if self.profiler is not None and not self.steps:
+                    self.profiler.start()
+                before = evictions(self.cache)
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
+                start = time.perf_counter()
+                if events:
+                    events[0].record()
+                with torch.profiler.record_function(STEP_MARK):
+                    out = call(*args, **kwargs)
+                if events:
+                    events[1].record()
+                self.steps.append({"start": start, "end": time.perf_counter(), "events": events,
+                                   "before": before, "after": evictions(self.cache)})
+                return out
+
+            return recorded
+
+        model.get_compiled_call = get_compiled_call
+        self._inner = inner
+
+    def remove(self) -> None:
+        self.model.get_compiled_call = self._inner
+
+    def summary(self, total_s: float, ttft_s: float, new: int) -> dict:
+        """Per phase: steps, median host wall and forward GPU ms; the attribution per generated token."""
+        sync(self.device)
+        steps = self.steps
+        ends = [s["start"] for s in steps[1:]]
+        for s, end in zip(steps, ends, strict=False):
+            s["wall_ms"] = (end - s["start"]) * 1e3
+        if steps:   # the last step ends when the request returns
+            steps[-1]["wall_ms"] = (self.finished - steps[-1]["start"]) * 1e3
+        for s in steps:
+            s["gpu_ms"] = s["events"][0].elapsed_time(s["events"][1]) if s["events"] else (s["end"] - s["start"]) * 1e3
+            s["host_ms"] = (s["end"] - s["start"]) * 1e3
+            s["phase"] = ("phase1" if s["after"] == 0 else "first_eviction" if s["before"] == 0
+                          else "recompression" if s["after"] > s["before"] else "static")
+        phases: dict[str, dict] = {}
+        for name in ("phase1", "first_eviction", "recompression", "static"):
+            chosen = [s for s in steps if s["phase"] == name]
+            if chosen:
+                phases[name] = {"steps": len(chosen),
+                                "wall_ms_median": statistics.median(s["wall_ms"] for s in chosen),
+                                "gpu_ms_median": statistics.median(s["gpu_ms"] for s in chosen),
+                                "host_call_ms_median": statistics.median(s["host_ms"] for s in chosen),
+                                "wall_ms_total": sum(s["wall_ms"] for s in chosen)}
+        static = phases.get("static", {})
+        step_ms = static.get("gpu_ms_median", 0.0)
+        per = 1.0 / max(new - 1, 1)
+        attribution = {"captured_step_ms": step_ms}
+        if static:
+            attribution["static_steps_outside_step_ms"] = sum(
+                s["wall_ms"] - s["gpu_ms"] for s in steps if s["phase"] == "static") * per
+            attribution["static_steps_step_jitter_ms"] = sum(
+                s["gpu_ms"] - step_ms for s in steps if s["phase"] == "static") * per
+        for name in ("phase1", "first_eviction", "recompression"):
+            if name in phases:
+                attribution[f"{name}_above_step_ms"] = (phases[name]["wall_ms_total"]
+                                                        - phases[name]["steps"] * step_ms) * per
+        attribution["per_token_ms"] = (total_s - ttft_s) * 1e3 * per
+        attribution["unattributed_ms"] = attribution["per_token_ms"] - sum(
+            v for k, v in attribution.items() if k not in ("per_token_ms",))
+        return {"phases": phases, "attribution_per_token": attribution,
+                "steps": [{k: round(s[k], 4) if isinstance(s[k], float) else s[k]
+                           for k in ("phase", "wall_ms", "gpu_ms", "host_ms")} for s in steps]}
+
+
+def request_s(model: Any, ids: torch.Tensor, cache: Any, new: int, device: torch.device, loop: bool) -> float:
+    """Seconds of one request of ``new`` tokens: ``generate`` (greedy, no stopping token) or `greedy_generate`."""
+    cache.reset()
+    sync(device)
+    t0 = time.perf_counter()
+    if loop:
+        fe.greedy_generate(model, ids, cache, new)
+    else:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0, eos_token_id=None, **{cache_keyword(model): cache})
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def flexentropy_rows(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device,
+                     out: Path) -> Iterator[dict]:
+    cfg = speed_config(base_budget=args.prefill_budget)
+    fe.enable(model, cfg)
+    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=args.max_prompt_length or ids.shape[1])
+    n = ids.shape[1]
+    for loop in (False, True):
+        via = "greedy_generate" if loop else "generate"
+        t0 = time.perf_counter()
+        fe.warm_up(model, args.warm_lengths, cache=cache, loop=loop)
+        yield {"part": "flexentropy", "variant": f"warm_up_{via}", "seconds": time.perf_counter() - t0}
+        ttft = request_s(model, ids, cache, 1, device, loop)
+        for index, new in enumerate(args.new_tokens):
+            recorder = StepRecorder(model, cache, device) if index == 0 else None
+            if recorder:
+                recorder.active = True
+            try:
+                total = request_s(model, ids, cache, new, device, loop)
+                if recorder:
+                    recorder.finished = time.perf_counter()
+            finally:
+                if recorder:
+                    recorder.remove()
+            row = {"part": "flexentropy", "variant": f"flexentropy_{via}", "n": n, "new_tokens": new,
+                   "ttft_s": ttft, "total_s": total, "per_token_ms": (total - ttft) / (new - 1) * 1e3,
+                   "density": prefill_density(model)}
+            if recorder:
+                timeline = recorder.summary(total, ttft, new)
+                row["phases"] = timeline["phases"]
+                row["attribution_per_token"] = timeline["attribution_per_token"]
+                write_json(out.with_name(f"{out.stem}_steps_{via}.json"), {"steps": timeline["steps"]})
+            yield row
+    if "profile" in args.parts:
+        yield profile_row(model, ids, cache, args.new_tokens[0], device, out)
+
+
+def profile_row(model: Any, ids: torch.Tensor, cache: Any, new: int, device: torch.device, out: Path) -> dict:
+    """One ``generate`` with its decode steps under torch.profiler (started at the first decode step): the host's
+    top operators by self CPU time (``OUT_profile.txt``), and per phase the GPU's busy time within each step's host
+    window (kernels assigned by their start, their union per window) against the window."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = torch.profiler.profile(activities=activities)
+    recorder = StepRecorder(model, cache, device, profiler=prof)
+    recorder.active = True
+    try:
+        total = request_s(model, ids, cache, new, device, loop=False)
+        recorder.finished = time.perf_counter()
+    finally:
+        recorder.remove()
+        if recorder.steps:
+            prof.stop()
+    if not recorder.steps:
+        return {"part": "profile", "error": "generate called no compiled decode step (not on CUDA?)"}
+    recorder.summary(total, 0.0, new)   # the phases
+    averages = prof.key_averages()
+    table = "\n\n".join(averages.table(sort_by=key, row_limit=40, max_name_column_width=80)
+                         for key in ("self_cpu_time_total", "self_device_time_total"))
+    events = prof.events()
+    marks = sorted(e.time_range.start for e in events if e.name == STEP_MARK)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    windows = list(zip(marks, marks[1:] + [max([k[1] for k in kernels] + marks[-1:])], strict=True))
+    per_phase: dict[str, list[tuple[float, float]]] = {}
+    for (low, high), step in zip(windows, recorder.steps, strict=False):
+        busy, reach = 0.0, low
+        for start, end in kernels:
+            if low <= start < high:
+                start = max(start, reach)
+                if end > start:
+                    busy, reach = busy + end - start, end
+        per_phase.setdefault(step["phase"], []).append((busy / 1e3, (high - low) / 1e3))
+    gpu = {phase: {"steps": len(v), "busy_ms_median": statistics.median(b for b, _ in v),
+                   "window_ms_median": statistics.median(w for _, w in v)} for phase, v in per_phase.items()}
+    path = out.with_name(f"{out.stem}_profile.txt")
+    path.write_text(table, encoding="utf-8")
+    return {"part": "profile", "variant": "generate_profiled", "new_tokens": new, "total_s": total,
+            "gpu_per_phase": gpu, "table": str(path)}
+
+
+def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
+    """A fresh process's first request, timed from the start of ``fe.warm_up``."""
+    cfg = speed_config(base_budget=args.prefill_budget)
+    fe.enable(model, cfg)
+    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=args.max_prompt_length or ids.shape[1])
+    t0 = time.perf_counter()
+    fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts)
+    warm = time.perf_counter() - t0
+    request = request_s(model, ids, cache, args.new_tokens[0], device, loop=False)
+    return {"part": "coldstart", "variant": args.tag or "coldstart", "warm_up_s": warm, "request_s": request,
+            "first_request_done_s": warm + request, "artifacts": args.artifacts,
+            "artifacts_existed": args.artifacts_existed}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="dense,flexentropy,profile")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048])
+    p.add_argument("--prefill-budget", type=int, default=3328,
+                   help="B_0 of the fixed prefill budgets (3328: density ~0.09 at 128k, near the default's on "
+                        "Qwen2.5-Coder-1.5B)")
+    p.add_argument("--max-prompt-length", type=int, default=None, help="default: the context")
+    p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
+    p.add_argument("--artifacts", default=None, help="coldstart: fe.warm_up's artifacts file")
+    p.add_argument("--tag", default="", help="coldstart: the row's variant")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="docs/results/decode_timeline/timeline.json")
+    args = p.parse_args(argv)
+    args.artifacts_existed = bool(args.artifacts) and Path(args.artifacts).is_file()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k not in ("phases",)}, flush=True)
+        write_json(out, {"benchmark": "decode_timeline", "model": "Llama-3.1-8B shape, random weights, bf16, "
+                         "fe.fuse_projections", "layers": args.layers, "environment": environment(), "rows": rows})
+
+    def guarded(part: str, rows_of: Callable[[], Iterator[dict]]) -> None:
+        try:
+            for row in rows_of():
+                keep(row)
+        except Exception as err:  # noqa: BLE001 - one failed part must not lose the others
+            traceback.print_exc()
+            keep({"part": part, "error": f"{type(err).__name__}: {err}"[:500]})
+
+    model = build_model(args.layers, device, args.tiny)
+    fe.fuse_projections(model)
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(100, model.config.vocab_size - 1, (1, args.context), device=device, generator=gen)
+    parts = set(args.parts.split(","))
+    if "dense" in parts:
+        guarded("dense", lambda: dense_rows(model, ids, args.new_tokens, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "flexentropy" in parts:
+        guarded("flexentropy", lambda: flexentropy_rows(model, ids, args, device, out))
+    if "coldstart" in parts:
+        guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,17 +1,14 @@
-"""Captured decoding: plain greedy loops over a `StaticLatentKVCache` (`greedy_decode` for models built from
-`EntropyAttention` or any module with the same step signature, `greedy_generate` for HF causal LMs), and `warm_up`,
-which compiles a server's prefill and decode graphs once.
-
-Decode steps on the cache's static phase run a compiled step (CUDA: ``torch.compile(mode="reduce-overhead")``, i.e.
-CUDA graphs; CPU: plain ``torch.compile``); the eager work of each step (the cache's decisions) runs before it in
-``cache.prepare``. torch and transformers are imported inside the functions where they are heavy.
+"""Greedy decoding loops over a `StaticLatentKVCache` (`greedy_generate` for HF causal LMs, on the model's
+`flexentropy.integrations.step_driver.StepDriver`, as ``generate``; `greedy_decode` for models of `EntropyAttention`
+layers or any module with the same step signature), and `warm_up`, which compiles and records a server's prefill
+and decode steps once. torch and transformers are imported inside the functions where they are heavy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,6 @@ from flexentropy._checks import check_int
 
 DecodeStep = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 """``(tokens [B, L] int64, cache, position_ids [B, L] int64) -> logits [B, L, V]``: one forward of a model."""
-
 
 def compile_step(step: DecodeStep, *, device: torch.device | str | None = None, **options: Any) -> DecodeStep:
     """``step`` compiled for fixed-shape decoding: ``mode="reduce-overhead"`` (CUDA graphs) on CUDA, the default
@@ -38,8 +34,8 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
 
     Args:
         step: the model's forward (`DecodeStep`), eager.
-        cache: the cache the prompt was run with; a `StaticLatentKVCache` gets ``prepare(1)`` before every step, and
-            its static-phase steps run ``compiled``.
+        cache: the cache the prompt was run with; a `StaticLatentKVCache` gets ``prepare(1)`` before every step (the
+            modules have no hook that would), and its static steps run ``compiled``.
         tokens: int64 ``[B, 1]`` the first token to feed (the prompt's greedy next token).
         position: that token's position (the prompt length).
         steps: tokens to generate (the first fed token is not counted).
@@ -48,13 +44,14 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
     check_int("greedy_decode", "steps", steps, 1)
     if tokens.dim() != 2 or tokens.shape[1] != 1:
         raise ValueError(f"greedy_decode expects tokens [B, 1], got {list(tokens.shape)}")
-    prepared = getattr(cache, "prepared", None)
+    static = hasattr(cache, "prepare")
     positions = torch.full_like(tokens, position)
     out = []
     for _ in range(steps):
-        with prepared(1) if prepared is not None else contextlib.nullcontext():
-            run = compiled if compiled is not None and getattr(cache, "is_static", False) else step
-            tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
+        if static:
+            cache.prepare(1)
+        run = compiled if compiled is not None and getattr(cache, "stage", None) is not None else step
+        tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
         out.append(tokens)
         positions = positions + 1
     return torch.cat(out, dim=1)
@@ -67,10 +64,8 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
     after the prompt, without its per-step host work and synchronisation (its stopping checks), so that the next
     step's launch overlaps the current step on the GPU. No stopping token: exactly ``max_new_tokens`` tokens.
 
-    The decode steps run the model's compiled call (``model.get_compiled_call(compile_config)``, as ``generate``);
-    for a `StaticLatentKVCache`, its phase-1 steps run eagerly and each static step after its `prepare`. The loop's
-    decode graph is not ``generate``'s (``generate`` passes other keywords, which differ between transformers
-    versions): ``warm_up(model, lengths, loop=True)`` compiles it before serving.
+    The decode steps of a `StaticLatentKVCache` run the model's `StepDriver` (the one ``generate`` runs through
+    ``model.get_compiled_call``: one warm-up serves both); those of transformers' ``StaticCache`` its compiled call.
 
     Args:
         model: an HF causal LM (switched by `flexentropy.enable` or not).
@@ -88,8 +83,9 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
     """
     from transformers import StaticCache
 
+    from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.hf import cache_keyword
+    from flexentropy.integrations.step_driver import step_driver
 
     check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -102,7 +98,12 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids "
                              f"{list(input_ids.shape)}")
-        if not isinstance(cache, StaticLatentKVCache) and not bool(attention_mask.all()):
+        real = attention_mask.bool()
+        left = torch.arange(real.shape[1], device=real.device) >= (~real).sum(-1, keepdim=True)
+        if not bool(real.any(-1).all()) or not torch.equal(left, real):
+            raise ValueError("greedy_generate reads left padding only: each row of attention_mask must be 0s, then "
+                             "1s to its end, with at least one 1 (pad on the left, as generate does)")
+        if not isinstance(cache, StaticLatentKVCache) and not bool(real.all()):
             raise ValueError("greedy_generate runs a padded batch only over a StaticLatentKVCache (its decode "
                              "steps need no mask); a StaticCache batch must not be padded")
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -113,7 +114,17 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
     if compiled is None:
         compiled = input_ids.device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
     keyword = {cache_keyword(model): cache}
-    call = model.get_compiled_call(compile_config) if compiled else model.__call__
+    if isinstance(cache, StaticLatentKVCache):
+        driver = step_driver(model, compile_config if compiled else None, input_ids.device, compiled=compiled)
+
+        def call(tokens: torch.Tensor, position: torch.Tensor) -> Any:
+            return driver(tokens, position, cache)
+    else:
+        compiled_call = model.get_compiled_call(compile_config) if compiled else model.__call__
+
+        def call(tokens: torch.Tensor, position: torch.Tensor) -> Any:
+            return compiled_call(input_ids=tokens, position_ids=position, **keyword, use_cache=True,
+                                 logits_to_keep=1)
     with torch.no_grad():   # as generate: inference tensors would fail the compiled graphs' guards
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **keyword,
                        use_cache=True, logits_to_keep=1).logits
@@ -121,20 +132,37 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
         position = positions[:, -1:] + 1
         out = [tokens]
         for _ in range(max_new_tokens - 1):
-            logits = call(input_ids=tokens, position_ids=position, **keyword, use_cache=True, logits_to_keep=1).logits
-            tokens = logits[:, -1:].argmax(dim=-1)
+            tokens = call(tokens, position).logits[:, -1:].argmax(dim=-1)
             position = position + 1
             out.append(tokens)
     return torch.cat(out, dim=1)
+
+
+def load_artifacts(path: Path) -> None:
+    """Load the compiled artifacts at ``path`` into torch's caches when the file exists (`warm_up`); raise before
+    any work where ``path`` cannot be written after it, warn where the file is not torch's."""
+    if path.is_dir():
+        raise ValueError(f"warm_up(artifacts=...) names a file to read and write, got the folder {path}")
+    if not path.parent.is_dir():
+        raise ValueError(f"warm_up(artifacts=...): the folder {path.parent} does not exist (the file is written "
+                         f"there after the warm-up)")
+    if not path.is_file():
+        return
+    try:
+        torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as err:  # noqa: BLE001 - torch raises several kinds for a file that is not its own
+        warnings.warn(f"warm_up: could not load the compiled artifacts in {path} ({type(err).__name__}: {err}); "
+                      f"compiling, and writing the file anew", stacklevel=3)
 
 
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
             new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
             cache: Any = None, artifacts: str | os.PathLike[str] | None = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
-    ``lengths`` tokens and the static-phase decode graph of a `StaticLatentKVCache` (its first steps run eagerly, or,
-    with a ``max_prompt_length``, as one more graph), through ``model.generate`` or, with ``loop=True``, through
-    `greedy_generate` (each compiles its own decode graph: warm up the one that will serve).
+    ``lengths`` tokens and the static decode steps of a `StaticLatentKVCache` (the static phase's, and with a
+    ``max_prompt_length`` the captured phase 1's), compiled and, on CUDA, recorded on the serving cache's buffers,
+    through ``model.generate`` or, with ``loop=True``, through `greedy_generate` (both run the model's `StepDriver`
+    for the same ``compile_config``: either warms both).
 
     Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
     above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the
@@ -153,13 +181,15 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
             recompression, ``decode_delay + recompress_every + 2``).
         compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
             compiles only with one whose ``_compile_all_devices`` is set).
-        loop: warm `greedy_generate` instead of ``generate``.
+        loop: run `greedy_generate` instead of ``generate``.
         cache: the `StaticLatentKVCache` that will serve (default: a new one for all lengths, dropped after the
             warm-up).
         artifacts: a file of compiled artifacts (``torch.compiler.save_cache_artifacts``): loaded before the warm-up
             if it exists, written after it, so that a new process, on this machine or another with the same torch and
             device, takes inductor's compiled kernels from it instead of compiling them again (dynamo still traces in
-            every process; docs/performance.md). None: only torch's own caches (``TORCHINDUCTOR_CACHE_DIR``).
+            every process; docs/performance.md). None: only torch's own caches (``TORCHINDUCTOR_CACHE_DIR``). A file
+            torch cannot read is reported (a warning) and written anew; a folder, or a path in a missing folder, is
+            an error raised before any work.
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -182,9 +212,9 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}
+    if artifacts is not None:
+        load_artifacts(Path(artifacts))
     serving = StaticLatentKVCache(config, model=model) if cache is None else cache
-    if artifacts is not None and Path(artifacts).is_file():
-        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
     seconds = {}
     for length in lengths:
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)

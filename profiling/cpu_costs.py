@@ -60,8 +60,7 @@ def prepare_rows(steps: int = 120) -> list[dict]:
                 start = time.perf_counter()
                 cache.prepare(1)
                 times.append((time.perf_counter() - start) * 1e3)
-                with cache.prepared(1):
-                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         return times
 
     request()   # warm

@@ -229,7 +229,7 @@ def decode_row(model, variant: str, batch: int, n: int, args, device: torch.devi
                 if args.profile_decode:
                     row["gpu_busy_ms"] = profile_steps(step_compiled, device, Path(args.out) /
                                                        f"decode_profile_{row['variant']}_b{batch}_{n}.txt")
-                flash = cache.layers[0].flash
+                flash = cache.flash
                 entries = n + args.warm + args.steps if flash and variant == "dense_lengths_captured" else (
                     cache.capacity)  # flash reads the valid entries (at most this many), SDPA the whole buffer
                 row["decode_kernel"] = "flash" if flash else "sdpa"
@@ -438,7 +438,7 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         cache = serve(full)
         seconds, _ = generate_s(model, ids, cache, new, device, clock, compile_config=cc)
         return {"part": "e2e", "variant": "dense_lengths" + args.tag, "n": n, "new_tokens": new, "total_s": seconds,
-                **clock.summary(0), "decode_kernel": "flash" if cache.layers[0].flash else "sdpa"}
+                **clock.summary(0), "decode_kernel": "flash" if cache.flash else "sdpa"}
 
     yield run(dense_lengths)
 

@@ -22,6 +22,8 @@ Parts (``--parts``):
   above the captured step.
 * ``profile``: one ``generate`` of the first N under torch.profiler: the host's top operators over the static steps
   and the GPU's busy and idle time per step, written beside the JSON (``*_profile.txt``).
+* ``check``: greedy tokens of the recorded steps against the same steps run eagerly, and of ``generate`` against
+  `greedy_generate`, on a 2k prompt at a covering budget (the first difference).
 * ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts)`` then one request of the
   first N, timed from the warm-up's start (run it in fresh processes, with a kept ``TORCHINDUCTOR_CACHE_DIR`` or
   the artifacts file, to see what each saves).
@@ -38,6 +40,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,7 @@ from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
+from flexentropy.integrations.step_driver import StepDriver  # noqa: E402
 
 STEP_MARK = "decode_timeline.step"
 """The profiler range around each recorded decode step."""
@@ -149,48 +153,51 @@ def dense_rows(model: Any, ids: torch.Tensor, news: list[int], device: torch.dev
 # -- flexentropy -----------------------------------------------------------------------------------------------------
 def evictions(cache: Any) -> int:
     """Decisions the cache applied so far (the latent policy's first eviction, then its recompressions)."""
-    count = getattr(cache, "evictions", None)
-    return int(count) if count is not None else int(cache.layers[0].evictions)
+    return int(cache.evictions)
 
 
 class StepRecorder:
-    """Wraps ``model.get_compiled_call`` (what ``generate`` and `greedy_generate` call for every decode step): each
-    call's host start and end, CUDA events around it (recorded, never waited on during the run) and the cache's
-    decisions before and after, so that the phase of each step is known."""
+    """Wraps `StepDriver.__call__` (what ``generate``'s compiled path and `greedy_generate` run for every decode step
+    of a `StaticLatentKVCache`): each call's host start and end, CUDA events around it (recorded, never waited on
+    during the run) and the cache's decisions before and after, so that the phase of each step is known."""
 
-    def __init__(self, model: Any, cache: Any, device: torch.device, profiler: Any = None) -> None:
+    def __init__(self, model: Any, cache: Any, device: torch.device, profiler: Any = None,
+                 count_syncs: bool = False) -> None:
         self.model, self.cache, self.device, self.steps = model, cache, device, []
-        self.active, self.profiler = False, profiler
-        inner = model.get_compiled_call
+        self.active, self.profiler, self.count_syncs = False, profiler, count_syncs and device.type == "cuda"
+        inner = StepDriver.__call__
 
-        def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
-            call = inner(compile_config)
+        def recorded(driver: StepDriver, *args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return inner(driver, *args, **kwargs)
+            if self.profiler is not None and not self.steps:
+                self.profiler.start()
+            before = evictions(self.cache)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
+            start = time.perf_counter()
+            if events:
+                events[0].record()
+            with torch.profiler.record_function(STEP_MARK), warnings.catch_warnings(record=True) as caught:
+                if self.count_syncs:   # every synchronising CUDA call inside the step warns once
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = inner(driver, *args, **kwargs)
+                finally:
+                    if self.count_syncs:
+                        torch.cuda.set_sync_debug_mode("default")
+            if events:
+                events[1].record()
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            self.steps.append({"start": start, "end": time.perf_counter(), "events": events,
+                               "before": before, "after": evictions(self.cache), "syncs": syncs})
+            return out
 
-            def recorded(*args: Any, **kwargs: Any) -> Any:
-                if not self.active:
-                    return call(*args, **kwargs)
-                if self.profiler is not None and not self.steps:
-                    self.profiler.start()
-                before = evictions(self.cache)
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
-                start = time.perf_counter()
-                if events:
-                    events[0].record()
-                with torch.profiler.record_function(STEP_MARK):
-                    out = call(*args, **kwargs)
-                if events:
-                    events[1].record()
-                self.steps.append({"start": start, "end": time.perf_counter(), "events": events,
-                                   "before": before, "after": evictions(self.cache)})
-                return out
-
-            return recorded
-
-        model.get_compiled_call = get_compiled_call
+        StepDriver.__call__ = recorded
         self._inner = inner
 
     def remove(self) -> None:
-        self.model.get_compiled_call = self._inner
+        StepDriver.__call__ = self._inner
 
     def summary(self, total_s: float, ttft_s: float, new: int) -> dict:
         """Per phase: steps, median host wall and forward GPU ms; the attribution per generated token."""
@@ -210,7 +217,7 @@ class StepRecorder:
         for name in ("phase1", "first_eviction", "recompression", "static"):
             chosen = [s for s in steps if s["phase"] == name]
             if chosen:
-                phases[name] = {"steps": len(chosen),
+                phases[name] = {"steps": len(chosen), "syncs": sum(s["syncs"] for s in chosen),
                                 "wall_ms_median": statistics.median(s["wall_ms"] for s in chosen),
                                 "gpu_ms_median": statistics.median(s["gpu_ms"] for s in chosen),
                                 "host_call_ms_median": statistics.median(s["host_ms"] for s in chosen),
@@ -293,7 +300,7 @@ def profile_row(model: Any, ids: torch.Tensor, cache: Any, new: int, device: tor
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
-    recorder = StepRecorder(model, cache, device, profiler=prof)
+    recorder = StepRecorder(model, cache, device, profiler=prof, count_syncs=True)
     recorder.active = True
     try:
         total = request_s(model, ids, cache, new, device, loop=False)
@@ -304,7 +311,7 @@ def profile_row(model: Any, ids: torch.Tensor, cache: Any, new: int, device: tor
             prof.stop()
     if not recorder.steps:
         return {"part": "profile", "error": "generate called no compiled decode step (not on CUDA?)"}
-    recorder.summary(total, 0.0, new)   # the phases
+    phases = recorder.summary(total, 0.0, new)["phases"]
     averages = prof.key_averages()
     table = "\n\n".join(averages.table(sort_by=key, row_limit=40, max_name_column_width=80)
                          for key in ("self_cpu_time_total", "self_device_time_total"))
@@ -327,7 +334,34 @@ def profile_row(model: Any, ids: torch.Tensor, cache: Any, new: int, device: tor
     path = out.with_name(f"{out.stem}_profile.txt")
     path.write_text(table, encoding="utf-8")
     return {"part": "profile", "variant": "generate_profiled", "new_tokens": new, "total_s": total,
-            "gpu_per_phase": gpu, "table": str(path)}
+            "gpu_per_phase": gpu, "syncs_per_phase": {name: phase["syncs"] for name, phase in phases.items()},
+            "table": str(path)}
+
+
+def check_row(model: Any, device: torch.device, n: int = 2048, new: int = 64) -> dict:
+    """Greedy tokens of the recorded steps against the same steps eager (`greedy_generate(compiled=False)`), and of
+    ``generate`` against `greedy_generate`, at a budget covering the request (no eviction: the comparison is of
+    kernels, not of decisions): the position of the first difference (None: all equal)."""
+    cfg = speed_config(base_budget=2048, decode_budget=n + new)
+    fe.enable(model, cfg)
+    gen = torch.Generator(device=device).manual_seed(7)
+    ids = torch.randint(100, model.config.vocab_size - 1, (1, n), device=device, generator=gen)
+    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=n)
+    runs = {"eager": fe.greedy_generate(model, ids, cache, new, compiled=False)}
+    cache.reset()
+    runs["recorded"] = fe.greedy_generate(model, ids, cache, new)
+    cache.reset()
+    runs["generate"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                      **{cache_keyword(model): cache})[:, n:]
+
+    def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+        diff = (a != b).flatten().nonzero()
+        return int(diff[0]) if diff.numel() else None
+
+    return {"part": "check", "variant": "greedy_identity", "n": n, "new_tokens": new,
+            "recorded_vs_eager_first_difference": first_difference(runs["recorded"], runs["eager"]),
+            "generate_vs_loop_first_difference": first_difference(runs["generate"], runs["recorded"])}
 
 
 def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
@@ -346,7 +380,7 @@ def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, devic
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="dense,flexentropy,profile")
+    p.add_argument("--parts", default="dense,flexentropy,profile,check")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 2048])
     p.add_argument("--prefill-budget", type=int, default=3328,
@@ -393,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     if "flexentropy" in parts:
         guarded("flexentropy", lambda: flexentropy_rows(model, ids, args, device, out))
+    if "check" in parts:
+        guarded("check", lambda: iter([check_row(model, device)]))
     if "coldstart" in parts:
         guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device)]))
 

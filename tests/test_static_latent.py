@@ -19,6 +19,7 @@ from transformers.generation import CompileConfig
 
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.caches.static_latent import layer_attention
 from flexentropy.decoding import compile_step, greedy_decode
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.decode import flash_decode
@@ -66,8 +67,8 @@ def test_same_tokens_as_dynamic_latent(arch: str, config: fe.EntropyConfig, leng
     static = StaticLatentKVCache(config, model=model)
     expected = greedy(model, ids, dynamic, 48, disable_compile=True)
     assert torch.equal(greedy(model, ids, static, 48, disable_compile=True), expected)
-    assert static.is_static and dynamic.layers[0].evictions == static.layers[0].evictions
-    assert (static.layers[0].evictions > 1) == (config is EVICTING)
+    assert static.is_static and dynamic.layers[0].evictions == static.evictions
+    assert (static.evictions > 1) == (config is EVICTING)
     assert torch.equal(static.kept_positions(0), dynamic.kept_positions(0))
 
 
@@ -85,21 +86,20 @@ def test_left_padded_rows_match_their_solo_runs() -> None:
 
 
 def test_memory_bounded_and_shapes_static() -> None:
-    """Over many steps the buffers never grow and the step's tensors keep their shapes and addresses."""
+    """Over many steps the buffers never grow and the step's tensors keep their shapes and addresses; the slots a
+    step reads under the validity mask are the first ``lengths`` (what flash_decode reads, an unpadded batch)."""
     model = model_for("llama", EVICTING)
     cache = StaticLatentKVCache(EVICTING, model=model)
     seen: list[tuple] = []
     prefixes: list[bool] = []
-    layer = cache.layers[1]
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        if layer.static:
-            buffers = layer.buffers
-            seen.append((cache.nbytes(), tuple(buffers["keys"].shape), buffers["keys"].data_ptr(),
-                         tuple(layer.valid().shape)))
-            # flash_decode's lengths mask what the validity mask does (an unpadded batch): a prefix of each row
-            prefix = torch.arange(cache.capacity) < layer.lengths[:, None, None, None]
-            prefixes.append(torch.equal(layer.valid(), prefix.expand_as(layer.valid())))
+        if cache.is_static:
+            keys = cache.main.keys
+            seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), cache.counters["slot"].data_ptr()))
+            valid = (torch.arange(cache.capacity) <= cache.counters["slot"]) & cache.main.real[1]
+            prefix = torch.arange(cache.capacity) < cache.counters["lengths"][:, None, None]
+            prefixes.append(torch.equal(valid, prefix.expand_as(valid)))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
     try:
@@ -108,7 +108,7 @@ def test_memory_bounded_and_shapes_static() -> None:
         handle.remove()
     assert len(seen) > 100 and len(set(seen)) == 1
     assert len(prefixes) == len(seen) and all(prefixes)
-    assert seen[0][1][2] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
+    assert seen[0][1][3] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
     assert cache.stored_length(1) <= cache.capacity
 
 
@@ -122,7 +122,7 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
     phase_one: list[tuple[int, int]] = []
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        if not layer.static:
+        if cache.stage is None:
             phase_one.append((layer.keys.data_ptr(), layer.keys.shape[-2]))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
@@ -132,7 +132,7 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
         handle.remove()
     assert [length for _, length in phase_one] == list(range(300, 300 + EVICTING.decode_delay + 1))
     assert len({address for address, _ in phase_one}) == 1
-    assert layer.static and not layer._spare
+    assert cache.is_static and all(layer.keys is None for layer in cache.layers)
     # the prompt's attention reads the prompt's own keys (contiguous: the sparse kernel's strides stay those of q),
     # a phase-1 step the entries so far
     direct = StaticLatentKVCache(EVICTING, num_layers=1)
@@ -149,7 +149,7 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
 def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int = 0, device: str = "cpu") -> None:
     """Feed ``cache`` a 2-row prompt of 300 tokens (row 1 left-padded by ``padding``) and ``steps`` decode steps
     of random post-RoPE queries, keys and values, different in every layer, as an attention layer hands them over
-    (``prepare``, then per layer ``observe_queries`` and ``update``)."""
+    (``prepare``, then per layer ``observe_queries``, ``update`` and ``attend``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def random(*shape: int) -> torch.Tensor:
@@ -161,8 +161,11 @@ def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int
                 real = torch.ones(2, length, dtype=torch.bool, device=device)
                 real[1, :padding] = False
                 cache.observe_padding(real, layer_idx)
-            cache.observe_queries(random(2, 4, length, 16), layer_idx)
+            query = random(2, 4, length, 16)
+            cache.observe_queries(query, layer_idx)
             cache.update(random(2, 2, length, 16), random(2, 2, length, 8), layer_idx)
+            if length == 1:
+                cache.attend(query, layer_idx)
 
     forward(300)
     for _ in range(steps):
@@ -170,42 +173,35 @@ def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int
         forward(1)
 
 
-def check_recompression_at_once(monkeypatch: pytest.MonkeyPatch, padding: int, device: str) -> None:
-    """A recompression decides for every layer in one stacked decision (`decide_together`); each layer keeps, and
-    its buffers hold, exactly what deciding it alone gives."""
+def check_decisions_in_chunks(monkeypatch: pytest.MonkeyPatch, padding: int, device: str) -> None:
+    """A decision covers every layer at once, or, where the scores of all layers would not fit in memory
+    (`static_latent.SCORE_ELEMENTS`), chunks of them: the two keep the same entries, and the buffers hold the
+    same."""
     import flexentropy.caches.static_latent as static_latent
 
-    together, alone = (StaticLatentKVCache(EVICTING, num_layers=3) for _ in range(2))
-    calls = []
-    decide = static_latent.decide_together
-    monkeypatch.setattr(static_latent, "decide_together", lambda *args: calls.append(args[1]) or decide(*args))
+    together, chunked = (StaticLatentKVCache(EVICTING, num_layers=3) for _ in range(2))
     drive(together, 40, padding=padding, device=device)
-    monkeypatch.setattr(static_latent, "stackable", lambda layers: False)
-    drive(alone, 40, padding=padding, device=device)
-    assert len(calls) >= 3 and set(calls) == {EVICTING.decode_budget}
-    for got, expected in zip(together.layers, alone.layers, strict=True):
-        assert got.evictions == expected.evictions == len(calls) + 1
-        assert torch.equal(got.positions(), expected.positions())
-        for name in ("keys", "values", "window", "real"):
-            assert torch.equal(got.buffers[name], expected.buffers[name])
-        assert torch.equal(got.valid(), expected.valid())
-    assert not torch.equal(together.layers[0].positions(), together.layers[1].positions())
+    monkeypatch.setattr(static_latent, "SCORE_ELEMENTS", 1)
+    drive(chunked, 40, padding=padding, device=device)
+    assert together.evictions == chunked.evictions >= 3
+    for name in ("keys", "values", "positions", "real"):
+        assert torch.equal(getattr(together.main, name), getattr(chunked.main, name)), name
+    assert torch.equal(together.window, chunked.window)
+    assert not torch.equal(together.kept_positions(0), together.kept_positions(1))
     if padding:  # row 1 holds fewer real tokens than the budget: padding entries stay, marked unreal
-        assert not together.layers[0].buffers["real"][1].all()
+        assert not together.main.real[0, 1, :, :together.stored_length(0)].all()
 
 
 @pytest.mark.parametrize("padding", [0, 250])
-def test_recompression_of_all_layers_at_once_equals_one_by_one(monkeypatch: pytest.MonkeyPatch,
-                                                              padding: int) -> None:
-    check_recompression_at_once(monkeypatch, padding, "cpu")
+def test_decisions_in_chunks_of_layers_equal_all_at_once(monkeypatch: pytest.MonkeyPatch, padding: int) -> None:
+    check_decisions_in_chunks(monkeypatch, padding, "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("padding", [0, 250])
-def test_cuda_recompression_of_all_layers_at_once_equals_one_by_one(monkeypatch: pytest.MonkeyPatch,
-                                                                   padding: int) -> None:
+def test_cuda_decisions_in_chunks_of_layers_equal_all_at_once(monkeypatch: pytest.MonkeyPatch, padding: int) -> None:
     """The same on the GPU, where the stacked scores run as one batched product of another shape."""
-    check_recompression_at_once(monkeypatch, padding, "cuda")
+    check_decisions_in_chunks(monkeypatch, padding, "cuda")
 
 
 @st.composite
@@ -228,7 +224,7 @@ def multi_layer_schedules(draw: st.DrawFn) -> dict:
 @settings(max_examples=40, deadline=None)
 @given(case=multi_layer_schedules())
 def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
-    """Each layer of a `StaticLatentKVCache`, with its recompressions decided for all layers at once, holds at every
+    """Each layer of a `StaticLatentKVCache`, with its decisions taken for all layers at once, holds after every
     step the entries and positions of `reference.cache.LatentCacheOracle` run on that layer alone (the decision
     before the step's queries are handed over: ``hand_over="after"``), also across a later turn (one forward of
     several tokens after decoding began, which leaves the buffers and re-enters them at the next step), with phase 1
@@ -242,24 +238,29 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
         length = case["prompt"] if step == 0 else case["turn_length"] if step == case["turn"] else 1
         if step:
             cache.prepare(length)
+        captured |= cache.stage is cache.prompt
+        expected = []
         for layer_idx, oracle in enumerate(oracles):
             q, k, v = (torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64)
                        for heads in (kv_heads * case["group"], kv_heads, kv_heads))
             cache.observe_queries(q, layer_idx)
             cache.update(k, v, layer_idx)
-            want_keys, want_values = oracle.step(q, k, v, "after")
-            layer = cache.layers[layer_idx]
-            assert torch.equal(layer.keys, want_keys) and torch.equal(layer.values, want_values)
-            assert torch.equal(layer.positions(), oracle.positions)
-            captured |= layer.static and layer.active is layer.prompt_buffers
-    assert all(layer.evictions == len(oracle.evictions) for layer, oracle in zip(cache.layers, oracles, strict=True))
+            if step:
+                cache.attend(q, layer_idx)
+            expected.append((*oracle.step(q, k, v, "after"), oracle.positions))
+        for layer_idx, (want_keys, want_values, want_positions) in enumerate(expected):
+            keys, values = cache.stored_entries(layer_idx)
+            assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+            assert torch.equal(cache.kept_positions(layer_idx), want_positions)
+    assert cache.evictions == len(oracles[0].evictions)
     event(f"recompressions: {min(max(len(oracles[0].evictions) - 1, 0), 2)}")
     event(f"phase 1 captured: {captured}")
 
 
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     """Addresses of every tensor a captured step reads in place (buffers and counters)."""
-    tensors = [*cache.counters.values(), *(buffer for layer in cache.layers for buffer in layer.buffers.values())]
+    main = cache.main
+    tensors = [*cache.counters.values(), cache.window, main.keys, main.values, main.positions, main.real]
     return {tensor.data_ptr() for tensor in tensors}
 
 
@@ -329,25 +330,25 @@ def test_a_later_turn_continues_on_the_same_cache() -> None:
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert static.is_static and static.get_seq_length() == dynamic.get_seq_length() == 300 + 30 + 25 + 30 - 1
     assert torch.equal(static.kept_positions(1), dynamic.kept_positions(1))
-    assert static.layers[0].evictions == dynamic.layers[0].evictions > 2
+    assert static.evictions == dynamic.layers[0].evictions > 2
     torch._dynamo.reset()
     compiled = StaticLatentKVCache(EVICTING, model=model)
     first = greedy(model, ids, compiled, 30, compile_config=cpu_compile())
-    addresses = compiled.layers[0].buffers["keys"].data_ptr()
+    addresses = compiled.main.keys.data_ptr()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     turn = torch.cat([ids, first, prompt(25, seed=9)], dim=1)
     with torch._dynamo.config.patch(error_on_recompile=True):
         second = greedy(model, turn, compiled, 30, compile_config=cpu_compile())
     assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert compiled.layers[0].buffers["keys"].data_ptr() == addresses and compiled.is_static
+    assert compiled.main.keys.data_ptr() == addresses and compiled.is_static
 
     layer = StaticLatentKVCache(EVICTING, num_layers=1).layers[0]   # causal within a later turn, padded or not
     query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
-    layer.keys, layer.values, layer.is_initialized, layer.seen = keys, values, True, 10
-    plain = layer.attend_own_mask(query, None)
-    layer.padding = torch.tensor([0])
-    torch.testing.assert_close(layer.attend_own_mask(query, None), plain)
+    layer.load_decision_state({"keys": keys, "values": values, "is_initialized": True, "seen": 10})
+    plain = layer_attention(layer, query, None)
+    layer.load_decision_state({"padding": torch.tensor([0])})
+    torch.testing.assert_close(layer_attention(layer, query, None), plain)
 
 
 @pytest.mark.parametrize(("config", "length"), [(COVERING, 200), (EVICTING, 300)], ids=["covering", "evicting"])
@@ -358,26 +359,24 @@ def test_captured_phase_one_takes_the_same_decisions(config: fe.EntropyConfig, l
     model, ids, dynamic = model_for("llama", config), prompt(length), LatentKVCache(config)
     expected = greedy(model, ids, dynamic, 40, disable_compile=True)
     cache = StaticLatentKVCache(config, model=model, max_prompt_length=length + 20)
-    layer = cache.layers[1]
-    phase_one: list[tuple[bool, int, int]] = []
+    phase_one: list[tuple[int, int]] = []
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        if 1 <= layer.generated <= config.decode_delay:   # the decode steps before the first decision point
-            phase_one.append((layer.active is layer.prompt_buffers, layer.prompt_buffers["keys"].data_ptr(),
-                              layer.keys.shape[-2]))
+        if cache.stage is cache.prompt:   # the decode steps before the first decision point
+            phase_one.append((cache.prompt.keys.data_ptr(), cache.stored_length(1)))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
     try:
         assert torch.equal(greedy(model, ids, cache, 40, disable_compile=True), expected)
     finally:
         handle.remove()
-    assert [entry[2] for entry in phase_one] == list(range(length + 1, length + config.decode_delay + 1))
-    assert all(entry[0] for entry in phase_one) and len({entry[1] for entry in phase_one}) == 1
-    assert layer.active is layer.buffers and layer.prompt_buffers["keys"].shape[-2] == length + 20 + config.decode_delay
+    assert [entry[1] for entry in phase_one] == list(range(length, length + config.decode_delay))
+    assert len({entry[0] for entry in phase_one}) == 1
+    assert cache.is_static and cache.prompt.keys.shape[3] == length + 20 + config.decode_delay
     assert torch.equal(cache.kept_positions(0), dynamic.kept_positions(0))
     short = StaticLatentKVCache(config, model=model, max_prompt_length=length - 1)
     assert torch.equal(greedy(model, ids, short, 40, disable_compile=True), expected)
-    assert not short.layers[1].prompt_buffers
+    assert short.prompt.keys is None
 
 
 def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
@@ -392,12 +391,12 @@ def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
     assert torch.equal(got, greedy(model, ids, LatentKVCache(EVICTING), 40, disable_compile=True))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch._dynamo.utils.counters["graph_break"]
-    addresses = {buffer.data_ptr() for layer in cache.layers for buffer in layer.prompt_buffers.values()}
+    addresses = {cache.prompt.keys.data_ptr(), cache.prompt.values.data_ptr()}
     cache.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = greedy(model, other, cache, 70, compile_config=cpu_compile())
     assert torch.equal(got, greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True))
-    assert {buffer.data_ptr() for layer in cache.layers for buffer in layer.prompt_buffers.values()} == addresses
+    assert {cache.prompt.keys.data_ptr(), cache.prompt.values.data_ptr()} == addresses
 
 
 def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
@@ -411,7 +410,7 @@ def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
     cache = StaticLatentKVCache(config, model=model)
     got = greedy(model, ids, cache, 40, disable_compile=True)
     assert torch.equal(got, greedy(model, ids, DynamicCache(config=model.config), 40, disable_compile=True))
-    assert cache.is_static and cache.layers[0].evictions == 0 and cache.stored_length(0) == 300 + 39
+    assert cache.is_static and cache.evictions == 0 and cache.stored_length(0) == 300 + 39
 
 
 def test_validation() -> None:
@@ -430,6 +429,16 @@ def test_validation() -> None:
         greedy(model, prompt(300), StaticLatentKVCache(flash, model=model), 8, disable_compile=True)
 
 
+def test_a_cache_for_another_layer_count_says_so() -> None:
+    """A cache built for fewer layers than the model has, or for more, fails at the first forward that shows it, with
+    the count it was built for."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+    with pytest.raises(ValueError, match="built for 1 layers, got layer_idx 1: pass model="):
+        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=1), 4, disable_compile=True)
+    with pytest.raises(RuntimeError, match=r"built for 5 layers, but layers \[3, 4\] saw no prompt"):
+        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=5), 4, disable_compile=True)
+
+
 def test_flash_decode_traces_to_its_output_shape() -> None:
     """The kernel is a custom op: a compiled step traces it through its fake (no flash-attn-4 needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -441,21 +450,51 @@ def test_flash_decode_traces_to_its_output_shape() -> None:
     assert out.shape == (2, 8, 1, 32) and out.dtype == torch.bfloat16
 
 
+def partial_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flexentropy.kv.decode.PartialAttention` in float64: each row over its first ``lengths[b]`` entries, and the
+    log-sum-exp of its scores (-inf, output 0, for a row of none)."""
+    group = query.shape[2] // keys.shape[2]
+    k, v = (t.double().transpose(1, 2).repeat_interleave(group, 1) for t in (keys, values))
+    scores = query.double().transpose(1, 2) @ k.transpose(-1, -2) * scale                 # [B, Hq, 1, T]
+    scores = scores.masked_fill(torch.arange(k.shape[2]) >= lengths[:, None, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = (scores - lse[..., None]).exp().nan_to_num(0.0) @ v
+    return out.transpose(1, 2).to(query.dtype), lse.float()
+
+
+@pytest.mark.parametrize(("capacity", "splits", "length"), [(96, 8, 96), (96, 8, 13), (96, 16, 1), (1056, 8, 1030)])
+def test_flash_decode_split_into_parts_equals_one_pass(capacity: int, splits: int, length: int) -> None:
+    """One row's entries cut into equal parts, each attended on its own (empty parts included) and merged by their
+    log-sum-exps, is the attention over the row's first ``lengths`` entries."""
+    gen = torch.Generator().manual_seed(capacity + length)
+    query = torch.randn(1, 8, 1, 16, generator=gen)
+    keys, values = (torch.randn(1, 2, capacity, 16, generator=gen) for _ in range(2))
+    lengths = torch.tensor([length], dtype=torch.int32)
+    got = flash_decode(query, keys, values, lengths, splits=splits, partial=partial_reference)
+    torch.testing.assert_close(got.double(), reference.prefix_decode_attention(query, keys, values, lengths))
+    with pytest.raises(ValueError, match="equal parts"):
+        flash_decode(query.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1),
+                     lengths.expand(2), splits=splits, partial=partial_reference)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("batch", [1, 8])
-def test_cuda_flash_decode_matches_reference(batch: int) -> None:
+@pytest.mark.parametrize(("batch", "capacity", "splits"), [(1, 1056, 1), (8, 1056, 1), (1, 1056, 8), (1, 131088, 16)])
+def test_cuda_flash_decode_matches_reference(batch: int, capacity: int, splits: int) -> None:
     """flash-attn-4's decode kernel (needs it installed) against the float64 reference over each row's first
-    ``lengths[b]`` entries, eager and in a captured compiled step."""
+    ``lengths[b]`` entries, in one pass or in parts, eager and in a captured compiled step."""
     pytest.importorskip("flash_attn.cute")
     gen = torch.Generator(device="cuda").manual_seed(batch)
     query = torch.randn(batch, 32, 1, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
-    keys, values = (torch.randn(batch, 8, 1056, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    keys, values = (torch.randn(batch, 8, capacity, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
                     for _ in range(2))
-    lengths = torch.tensor([1030, 17, 1056, 500, 1, 1030, 900, 64][:batch], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([capacity - 26, 17, capacity, 500, 1, 1030, 900, 64][:batch], dtype=torch.int32,
+                           device="cuda")
     expected = reference.prefix_decode_attention(query, keys, values, lengths).float().cuda()
     step = torch.compile(flash_decode, mode="reduce-overhead", fullgraph=True)
     for fn in (flash_decode, step, step, step):
-        torch.testing.assert_close(fn(query, keys, values, lengths).float(), expected, atol=2e-2, rtol=0)
+        got = fn(query, keys, values, lengths, splits=splits)
+        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
 
 
 def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
@@ -649,3 +688,30 @@ def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:
         got = fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 50,
                                  compile_config=cpu_compile())
     assert torch.equal(got, expected)
+
+
+def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No host-device synchronisation on the decode path: over 40 steps after the prompt, through the first eviction,
+    the recompressions and the static steps (eager forwards and the cache's decisions), nothing reads a tensor's
+    value on the host (``item``, ``__bool__``, ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for
+    the GPU there)."""
+    from flexentropy.integrations.step_driver import step_driver
+
+    model = model_for("llama", EVICTING)
+    cache = StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400)
+    ids = prompt(300)
+    driver = step_driver(model, None, torch.device("cpu"), compiled=False)
+    reads: list[str] = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
+        tokens, position = logits[:, -1:].argmax(-1), torch.tensor([[300]])
+        for name in ("item", "__bool__", "__int__", "__float__", "tolist", "nonzero"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: reads.append(_n)
+                                or _f(self, *a, **k))
+        for _ in range(40):
+            tokens = driver(tokens, position, cache).logits[:, -1:].argmax(-1)
+            position = position + 1
+        monkeypatch.undo()
+    assert cache.is_static and cache.evictions >= 3
+    assert reads == []

@@ -1,46 +1,40 @@
 """`StaticLatentKVCache`: the latent cache (`LatentKVCache`) with static shapes after its first eviction, so that
-decode steps can be captured (CUDA graphs, ``torch.compile(mode="reduce-overhead")``, transformers' compiled
-``generate``).
+decode steps can be captured (CUDA graphs) and replayed with no host work but the decisions.
 
-Two phases per layer (design.md §2):
+Phases (design.md §2):
 
-1. prompt and the first ``decode_delay`` generated tokens: the dynamic `PolicyLayer` path, unchanged (the prompt's
-   whole KV is held, its length varies from request to request); or, for a cache with ``max_prompt_length``, the
-   phase-1 steps in prompt buffers of ``max_prompt_length + decode_delay`` entries per KV head, static like phase 2
-   (same attention, writes and bookkeeping over other buffers: one more captured graph, the same decisions);
-2. from the step at which the latent policy first decides on: preallocated buffers ``keys [B, Hkv, C, D]``,
-   ``values [B, Hkv, C, Dv]`` and the query window ``[B, Hq, W, D]``, ``C = decode_budget + recompress_every``
-   (`StaticLatentLayer.capacity`). A decode step writes its token in place at a slot held in a tensor and attends
-   over the whole buffer with a validity mask (or, unpadded, over the first ``slot + 1`` slots with flash-attn-4's
-   kernel: `EntropyConfig.decode_kernel`); nothing of its shapes changes from step to step or request to request.
+1. the prompt and the first ``decode_delay`` generated tokens run on the dynamic path, one `PolicyLayer` per layer
+   (the prompt's whole KV is held; its length varies from request to request); or, for a cache with
+   ``max_prompt_length``, the phase-1 steps run in the prompt buffers (a `StaticBuffers` of ``max_prompt_length +
+   decode_delay`` entries per KV head), static like phase 2;
+2. from the first decision point on, the buffers (``decode_budget + recompress_every`` entries per KV head).
 
-Every decision (the first eviction, each recompression) and the per-step bookkeeping run in `prepare`, eagerly,
-*before* the forward of the step: a step never decides inside a captured region. `prepare(q_len)` must run before
-every forward, once. On a model switched by `flexentropy.enable`, a forward pre-hook on the decoder calls it eagerly
-(`before_forward`, unless it already ran for the step: a loop over an HF model may call it too, or not at all), and
-transformers' compiled ``generate`` calls it before each compiled static step (`prepared`: the hook then traces to
-nothing and the step is one graph); both are installed by `flexentropy.integrations.hooks`. A loop over a cache
-without such a hook (own modules, ``num_layers=``) calls it itself before each forward
-(`flexentropy.decoding.greedy_decode`). Decisions are therefore taken before the step's queries
-are handed over (transformers' attention order: ``update`` before the queries), so for an attention that hands its
-queries over before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with
-`LatentKVCache`.
+In a static phase every layer's entries live in one tensor per kind (`StaticBuffers`: ``keys [L, B, Hkv, C, D]``
+and so on) with one query window ``[L, B, Hq, W, D]``, and the step's counters are tensors: the slot the token is
+written to, the entries each row reads (``lengths``) and the token's position. A step writes, attends and
+advances those counters inside its own graph (the last layer's `attend` advances them), so the host does nothing
+between steps but `prepare`: it counts the step and, on the steps where the latent policy decides (the first
+eviction, each recompression), runs the decision for every layer at once on a `StackedView` of the buffers (score ->
+keep -> gather, as `LatentKVCache` decides each layer), in chunks of layers where the scores of a long prompt would
+not fit in memory together.
 
-A cache serves one conversation. A forward of several tokens after decoding began is its next turn: the layers leave
-their buffers for that forward (`StaticLatentLayer.begin_turn`; the dynamic path appends it) and the next step
-re-enters them. A new prompt needs a new cache, or ``reset()``.
+`prepare(q_len)` runs before every forward, once: on a model switched by `flexentropy.enable` the decoder's
+pre-hook runs it; the step driver of `flexentropy.decoding` (what ``generate``'s compiled path and
+`flexentropy.greedy_generate` run) calls it itself and replays the recorded step of the stage, with ``driven`` set so
+that the hook does nothing; a loop over modules without the hook (`EntropyAttention`) calls it before each forward.
+Decisions are thus taken before the step's queries are handed over (transformers' order: ``update`` before the
+queries), so for an attention that hands its queries over before ``update`` (`EntropyAttention`) the window of a
+decision ends one step earlier than with `LatentKVCache`.
 
-Under ``torch.compile`` the phase-1 steps run their cache work eagerly (excluded from tracing) and return fixed-shape
-placeholders, and the cache's size queries return constants, so one compiled decode graph per phase serves every
-prompt length. Padding of a left-padded batch is read from the prompt (``observe_padding``); decode steps ignore the
-logical attention mask and attend with the cache's own validity mask. Beam search (``reorder_cache``) is not
-supported.
+A cache serves one conversation at a time. A forward of several tokens after decoding began is its next turn: the
+entries go back to the layers for that forward (the dynamic path appends it) and the next step enters the buffers
+again, at the same addresses. ``reset()`` empties the cache for a new request and keeps its buffers. Padding of a
+left-padded batch is read from the prompt (``observe_padding``); decode steps ignore the logical attention mask and
+attend with the cache's own validity. Beam search is not supported.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,282 +43,61 @@ from flexentropy._checks import check_int
 from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.caches.policy_layer import PolicyLayer, nan_entries, tensor_bytes
+from flexentropy.caches.policy_layer import PolicyLayer, nan_entries
+from flexentropy.caches.static_buffers import Progress, StackedView, StaticBuffers, static_buffer
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.decode import decode_attention, flash_decode, flash_decode_usable, grouped_attention
+from flexentropy.kv.decode import decode_attention, flash_decode_usable, grouped_attention
+from flexentropy.kv.keep import gather_kv
+
+SCORE_ELEMENTS = 1 << 28
+"""Most window scores (float32) one decision holds at once: the layers of a long prompt are decided in chunks."""
 
 
-def _taken_when_read(name: str) -> property:
-    """`PolicyLayer` attribute ``name`` as a property of `StaticLatentLayer` that brings the layer's views up to date
-    (`StaticLatentLayer._refresh`) before it is read or replaced."""
-    private = f"_{name}"
+class PhaseOneLayer(PolicyLayer):
+    """A `PolicyLayer` whose first ``decode_delay`` appends after its prompt write in place, into slots reserved past
+    the prompt's entries (a phase-1 step on the dynamic path then copies nothing of the prompt)."""
 
-    def get(self: StaticLatentLayer) -> torch.Tensor | None:
-        if self._stale:
-            self._refresh()
-        return getattr(self, private)
-
-    def set(self: StaticLatentLayer, value: torch.Tensor | None) -> None:
-        if self._stale:
-            self._refresh()
-        setattr(self, private, value)
-
-    return property(get, set)
-
-
-class StaticLatentLayer(PolicyLayer):
-    """One layer of a `StaticLatentKVCache` (module docstring). Besides `PolicyLayer`'s state:
-
-    Attributes:
-        static: whether the layer is in its static phase (buffers in use: the prompt buffers or the buffers).
-        capacity: ``C``, entries per KV head the buffers hold.
-        buffers: the static phase's buffers (``keys``, ``values``, ``real``, ``slots``, and the query ``window``).
-        prompt_buffers: the captured phase 1's ``keys``, ``values``, ``real``, ``slots`` (`prompt_capacity` entries;
-            the window stays in ``buffers``); empty unless the cache has a ``max_prompt_length``.
-        prompt_capacity: entries per KV head of the prompt buffers, or None (phase 1 runs on the dynamic path).
-        active: the buffers the steps write and read now (``buffers`` or ``prompt_buffers``).
-        slot: int64 ``[1]`` the buffer slot the next token is written to (shared by the cache's layers).
-        position: int64 0-dim, the logical position of the next token (shared; ``get_seq_length`` under compile).
-        lengths: int32 ``[B]``, the slots written so far (``slot + 1`` per row; shared), for `flash_decode`.
-        kernel: `EntropyConfig.decode_kernel`; ``flash``: whether the static steps run `flash_decode` (decided
-            at the phase switch).
-    """
-
-    is_compileable = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.prompt_buffers: dict[str, torch.Tensor] = {}
-        self.prompt_capacity: int | None = None
-        self._stale = False   # `keys`/`values`/`window` lag behind `_live` until read (`_refresh`)
-        super().__init__(*args, **kwargs)
-        self.capacity = self.policy.budget + self.policy.recompress_every
-        # phase 1 appends one token a step to the whole prompt's entries: in place, not a copy of them per step
-        self.reserve = self.policy.delay
-        self.slot: torch.Tensor | None = None
-        self.position: torch.Tensor | None = None
-        self.lengths: torch.Tensor | None = None
-        self.kernel = "auto"
-
-    def _clear(self) -> None:
-        self._stale = False
-        super()._clear()
-        self.static = False
-        self.flash = False
-        self.active = self.buffers
-        self._live = 0   # entries in the buffers (static): `stored`
-
-    # -- the views of the buffers' live parts, taken when read: a static step only counts ----------------------------
-    def _refresh(self) -> None:
-        self._stale = False
-        self._view(self._live)
-
-    keys = _taken_when_read("keys")
-    values = _taken_when_read("values")
-    window = _taken_when_read("window")
-
-    @property
-    def stored(self) -> int:
-        """Entries held per KV head (`PolicyLayer.stored`); static: the count, without taking the views."""
-        return self._live if self.static else super().stored
-
-    # -- phase 2: eager bookkeeping (`prepare`) ------------------------------------------------------------------
-    def _allocate(self, stage: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], like: torch.Tensor,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The preallocated buffer ``name`` of ``stage`` (`buffers` or `prompt_buffers`), kept across requests of the
-        same shapes (`reset` leaves it)."""
-        dtype = like.dtype if dtype is None else dtype
-        buffer = stage.get(name)
-        if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != like.device:
-            buffer = static_buffer(shape, dtype, like.device)
-            stage[name] = buffer
-        return buffer
-
-    def prompt_fits(self) -> bool:
-        """Whether phase 1 runs captured: the cache has prompt buffers, nothing was evicted yet, and the prompt with the
-        tokens still to come before the first decision fits them."""
-        delay = self.policy.delay
-        return (self.prompt_capacity is not None and self.evictions == 0 and self.generated < delay
-                and self.stored + delay - self.generated <= self.prompt_capacity)
-
-    def _enter(self, stage: dict[str, torch.Tensor]) -> None:
-        """Move the stored entries (and, from the dynamic path, the query window) into ``stage``'s buffers: the switch
-        to the captured phase 1 (`prompt_buffers`) or to the static phase (`buffers`)."""
-        if self.ragged is not None or self.window is None:
-            raise RuntimeError(f"{self.owner} layer {self.layer_idx}: cannot switch to static buffers "
-                               f"(ragged layer or no queries handed over)")
-        batch, kv_heads, self._live, dim = self.keys.shape
-        size = self.capacity if stage is self.buffers else self.prompt_capacity
-        self._allocate(stage, "keys", (batch, kv_heads, size, dim), self.keys)
-        self._allocate(stage, "values", (batch, kv_heads, size, self.values.shape[-1]), self.values)
-        self._allocate(stage, "real", (batch, kv_heads, 1, size), self.keys, torch.bool)
-        slots = self._allocate(stage, "slots", (size,), self.keys, torch.long)
-        slots.copy_(torch.arange(size, device=self.keys.device))
-        if not self.static:   # the window comes from the dynamic path; from the prompt buffers it is in place
-            window = self.policy.window
-            self._allocate(self.buffers, "window", (*self.window.shape[:2], window, self.window.shape[-1]), self.window)
-            self.buffers["window"][:, :, window - self.window.shape[2]:].copy_(self.window)
-        self.static = True
-        self.active = stage
-        self.flash = flash_decode_usable(self.kernel, self.keys, padded=self.padding is not None)
-        self._store()
-        self._spare.clear()   # phase 1's prompt-sized buffers
-
-    def _store(self) -> None:
-        """Write the compact `keys`/`values` to the buffers' front (`store_entries`)."""
-        real = self.real_entries() if self.keys.shape[-2] else None
-        store_entries([self], self.keys[None], self.values[None], None if real is None else real[None])
-
-    def _view(self, stored: int) -> None:
-        """Point ``keys``/``values``/``window`` (what policies and readers see) at the buffers' live parts."""
-        self._live = stored
-        self._keys = self.active["keys"][:, :, :stored]
-        self._values = self.active["values"][:, :, :stored]
-        held = min(self.policy.window, self.observed)
-        self._window = self.buffers["window"][:, :, self.policy.window - held:]
-
-    def due(self, q_len: int) -> bool:
-        """Whether the next step (``q_len`` tokens) runs on static buffers: the layer is static, its policy has
-        reached its first decision point (``decode_delay`` generated tokens), or the prompt fits the prompt buffers."""
-        return self.static or (self.prompt_length is not None
-                               and (self.generated >= self.policy.delay or self.prompt_fits()))
-
-    def begin_step(self, q_len: int, target: int | None) -> int:
-        """Eager part of a static step: apply the decision ``target`` (`policy.before_append`, None: none); enter the
-        prompt buffers at the first step of a captured phase 1, the buffers at the first decision point; account for
-        the step's token. Returns the slot it is written to."""
-        if target is not None:
-            self.decide(target, q_len)
-        stage = self.prompt_buffers if target is None and self.prompt_fits() else self.buffers
-        if not self.static or stage is not self.active:
-            self._enter(stage)
-        elif target is not None:
-            self._store()  # the gathered entries: fresh tensors, not views of the buffers
-        return self.advance(q_len)
-
-    def advance(self, q_len: int) -> int:
-        """Account for a static step's ``q_len`` tokens (after any decision); returns the slot the first is written
-        to."""
-        slot = self.stored
-        self.previous_generated = self.generated
-        self.seen += q_len
-        self.observed += q_len
-        self._live = slot + q_len
-        self._stale = True
-        return slot
-
-    def begin_turn(self, q_len: int) -> None:
-        """Eager part of a later turn's forward (``q_len`` tokens after decoding began): leave the buffers (the held
-        entries and the query window are copied out; the forward appends to them on the dynamic path, and the next
-        one-token step re-enters the buffers at the same addresses, `begin_step`), and apply a due decision now,
-        before the turn's queries are handed over, as for every other step."""
-        if self.static:
-            self.keys, self.values, self.window = self.keys.clone(), self.values.clone(), self.window.clone()
-            self.static = self.flash = False
-        target = self.policy.before_append(self, q_len)
-        if target is not None:
-            self.decide(target, q_len)
-
-    # -- phase 2: the captured step -----------------------------------------------------------------------------
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one token's ``[B, Hkv, 1, D]`` key and value at `slot`, in place; returns the whole buffers
-        ``[B, Hkv, C, D]`` (static shapes)."""
-        keys, values = self.active["keys"], self.active["values"]
-        keys.index_copy_(2, self.slot, key_states.to(keys.dtype))
-        values.index_copy_(2, self.slot, value_states.to(values.dtype))
-        return keys, values
-
-    def shift_window(self, query_states: torch.Tensor) -> None:
-        """Append one step's queries ``[B, Hq, 1, D]`` to the window buffer, dropping its oldest, in place."""
-        window = self.buffers["window"]
-        window.copy_(torch.cat([window[:, :, query_states.shape[2]:], query_states.to(window.dtype)], dim=2))
-
-    def valid(self) -> torch.Tensor:
-        """bool ``[B, Hkv, 1, C]``: the slots written so far (this step's included) that are not padding."""
-        return (self.active["slots"] <= self.slot) & self.active["real"]
-
-    def attend_static(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """``[B, Hq, 1, Dv]``: the step's attention over the buffers, the first `lengths` slots of each row with
-        `flash_decode`, else under `valid` (GQA folded, one SDPA call)."""
-        if self.flash:
-            return flash_decode(query, self.active["keys"], self.active["values"], self.lengths, scale)
-        return grouped_attention(query, self.active["keys"], self.active["values"], self.valid(), scale)
-
-    def placeholder(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-memory NaN tensors ``[B, Hkv, C, D]`` returned by a phase-1 step under compilation (fixed shapes)."""
-        return nan_entries(key_states, value_states, self.capacity)
-
-    def attend_own_mask(self, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Phase-1 decode attention (or a later turn's, causal over its ``L`` tokens) with the layer's own padding mask
-        (HF's logical mask is not read)."""
-        real = self.real_entries()
-        if real is None:
-            return decode_attention(query, self.keys, self.values, scale=scale)
-        entries = torch.arange(self.keys.shape[-2], device=query.device)
-        causal = entries <= entries[entries.shape[0] - query.shape[-2]:, None]    # [L, S]
-        return grouped_attention(query, self.keys, self.values, real[:, :, None, :] & causal, scale)
-
-    # -- readers ------------------------------------------------------------------------------------------------
-    @property
-    def slots_in_use(self) -> int:
-        """Entries per KV head of the buffers a step writes now: `prompt_capacity` in a captured phase 1, else
-        `capacity`."""
-        return self.prompt_capacity if self.static and self.active is self.prompt_buffers else self.capacity
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """A prompt: its own size; a decode step: ``(C, 0)``, a constant (the step ignores HF's mask), also in a
-        captured phase 1 and before the step that enters the buffers (HF may size the mask before `prepare`): one mask
-        shape for every decode graph. A static step reads only the ``static`` flag: a traced read of the prompt's
-        length would specialise the graph to it."""
-        if not self.static and self.prompt_length is None:
-            return super().get_mask_sizes(query_length)
-        return self.capacity, 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(f"{self.owner} does not support beam search; use LatentKVCache")
-
-    def reset(self) -> None:
-        """Drop the state, keep the buffers (a new request of the same shapes reuses them and their addresses)."""
-        self._clear()
-
-    def nbytes(self) -> int:
-        """Bytes held: the buffers once static (their full capacity), else `PolicyLayer.nbytes`."""
-        if not self.static:
-            return super().nbytes()
-        return tensor_bytes(self._kept, *self.buffers.values(), *self.prompt_buffers.values())
+    def __init__(self, policy: Any, *args: Any) -> None:
+        super().__init__(policy, *args)
+        self.reserve = policy.delay
 
 
 class StaticLatentKVCache(LatentKVCache):
     """`LatentKVCache` with static shapes after the first eviction, for captured decoding (module docstring).
 
-    Same decisions as `LatentKVCache` (with the decision taken before each step's queries are handed over), same
-    configuration; ``recompress_every`` must be set (the buffers hold ``decode_budget + recompress_every``
-    entries per KV head). ``transformers``' ``generate`` compiles its decode forward for it (the cache is
-    ``is_compileable``); pass ``model=`` so that the cache's `prepare` runs before every forward::
+    Same decisions as `LatentKVCache` (taken before each step's queries are handed over), same configuration;
+    ``recompress_every`` must be set (the buffers hold ``decode_budget + recompress_every`` entries per KV head).
+    transformers' ``generate`` decodes over it with flexentropy's step driver (the cache is ``is_compileable``); pass
+    ``model=``::
 
         cache = fe.StaticLatentKVCache(cfg, model=model)
         out = model.generate(ids, cache=cache, max_new_tokens=256)   # past_key_values= before transformers 5.24
 
     Serve a server's requests with one cache and ``cache.reset()`` before each new prompt: the cache owns its buffers
-    and `reset` keeps them, so the captured step replays at the addresses it was recorded with (`static_buffer`); a
-    new cache allocates new ones, and the step is recorded again for them.
+    and `reset` keeps them, so the recorded steps replay at the addresses they were recorded with. Another batch
+    size after ``reset()`` allocates new buffers (and records the steps again).
 
-    With ``max_prompt_length``, phase 1 is captured too: the first step copies the prompt's entries into prompt buffers
-    of ``max_prompt_length + decode_delay`` entries per KV head, kept across requests like the buffers, and the
-    ``decode_delay`` steps before the first eviction run there as one more compiled graph (read over the valid entries
-    only, with flash-attn-4's kernel where it runs); a longer prompt runs its phase 1 eagerly, as without it. The
-    decisions, and so the tokens, are the same either way; the prompt buffers hold as much as a dense static cache of
-    that length.
+    With ``max_prompt_length``, phase 1 is static too: its first step copies the prompt's entries into prompt buffers
+    of ``max_prompt_length + decode_delay`` entries per KV head, kept across requests, and the ``decode_delay`` steps
+    before the first eviction run there as one more recorded step; a longer prompt runs its phase 1 on the dynamic
+    path. The decisions, and so the tokens, are the same either way; the prompt buffers hold as much as a dense
+    static cache of that length.
 
     Args:
         config: the `EntropyConfig` (its ``decode_*`` fields and ``recompress_every``).
-        model: the HF model served: its layer count, and the pre-hook on its decoder that calls `prepare`.
-        num_layers: layer count without a model (a plain loop then calls `prepare` itself).
-        max_prompt_length: the longest prompt whose phase 1 runs captured (None: phase 1 runs eagerly on the prompt's
-            own tensors, and nothing of the prompt is held between requests).
+        model: the HF model served: its layer count.
+        num_layers: the layer count without a model (a plain loop then calls `prepare` itself).
+        max_prompt_length: the longest prompt whose phase 1 runs static (None: phase 1 on the dynamic path).
+
+    Attributes:
+        main: the static phase's buffers (`StaticBuffers`, `capacity` entries).
+        prompt: the captured phase 1's buffers, or None.
+        stage: the buffers the steps use now (``main`` or ``prompt``), None on the dynamic path.
+        progress: the static phase's counters (`Progress`).
+        driven: set by the step driver while it runs a step (the model's pre-hook then leaves `prepare` to it).
     """
 
-    layer_class = StaticLatentLayer
+    layer_class = PhaseOneLayer
 
     def __init__(self, config: EntropyConfig | None = None, *, model: Any = None,
                  num_layers: int | None = None, max_prompt_length: int | None = None) -> None:
@@ -338,107 +111,236 @@ class StaticLatentKVCache(LatentKVCache):
             raise ValueError("StaticLatentKVCache needs model= or num_layers= (its layers exist before the prompt, "
                              "so that transformers sees a compileable cache)")
         self._layer(self.num_layers - 1)
-        self.counters: dict[str, torch.Tensor] = {}
-        self._place_counters(torch.device("cpu"), 1)
         self.max_prompt_length = max_prompt_length
-        for layer in self.layers:
-            layer.kernel = self.config.decode_kernel
-            if max_prompt_length is not None and self.config.decode_delay:
-                layer.prompt_capacity = max_prompt_length + self.config.decode_delay
-        self._prepared = False      # set while a caller that already ran `prepare` runs the forward (`prepared`)
-        self._hooked = False        # a pre-hook calls `before_forward` (set at its first call, the prompt's forward)
-        self._armed = False         # `prepare` ran for the coming forward, which the hook must not prepare again
+        delay = self.config.decode_delay
+        self.main = StaticBuffers(self.config.decode_budget + self.config.recompress_every)
+        self.prompt = StaticBuffers(max_prompt_length + delay) if max_prompt_length is not None and delay else None
+        self.window: torch.Tensor | None = None
+        self.counters: dict[str, torch.Tensor] = {}
+        self.flash = False
+        self.driven = False
+        self._clear_static()
 
-    def _place_counters(self, device: torch.device, batch: int) -> None:
-        """(Re)allocate the shared counters `slot`, `position`, `lengths` on ``device`` for ``batch`` rows."""
-        for name, shape, dtype in (("slot", (1,), torch.long), ("position", (), torch.long),
-                                   ("lengths", (batch,), torch.int32)):
-            self.counters[name] = static_buffer(shape, dtype, device)
-        self.slot, self.position, self.lengths = (self.counters[name] for name in ("slot", "position", "lengths"))
-        for layer in self.layers:
-            layer.slot, layer.position, layer.lengths = self.slot, self.position, self.lengths
+    def _clear_static(self) -> None:
+        self.stage: StaticBuffers | None = None
+        self.progress = Progress()
+        self.padding: torch.Tensor | None = None
+        self._pending = 0   # tokens of the step prepared and not yet run (`get_seq_length` does not count them)
 
     def reset(self) -> None:
-        """Empty every layer for a new request; the buffers stay (their addresses with them)."""
+        """Empty the cache for a new request; the buffers stay (their addresses with them)."""
         super().reset()
-        self._armed = False
+        self._clear_static()
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
 
     @property
     def capacity(self) -> int:
-        """``C``: entries per KV head of each layer's buffers."""
-        return self.layers[0].capacity
-
-    def prepare(self, q_len: int) -> None:
-        """Eager work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a phase-1
-        step; for a static step, every due decision (a recompression of every layer as one, `decide_together`),
-        then the step's slot and position; before a later turn (several tokens after decoding began), the switch
-        back to the dynamic path.
-
-        Once per step: on a cache built with ``model=``, a second call before the step's forward does nothing, and
-        the model's pre-hook does not prepare a step that was prepared by hand."""
-        if self._armed:
-            return
-        layers = [layer for layer in self.layers if layer.due(q_len)]
-        if not layers:
-            return
-        if len(layers) != len(self.layers):
-            raise RuntimeError(f"{type(self).__name__}: layers disagree on the decode phase; every layer must see "
-                               f"every forward")
-        if q_len != 1:   # a later turn of the conversation: the dynamic path appends it (`begin_turn`)
-            for layer in layers:
-                layer.begin_turn(q_len)
-            return
-        targets = [layer.policy.before_append(layer, q_len) for layer in layers]
-        if targets[0] is not None and len(set(targets)) == 1 and stackable(layers):
-            decide_together(layers, targets[0], q_len)
-            slots = {layer.advance(q_len) for layer in layers}
-        else:
-            slots = {layer.begin_step(q_len, target) for layer, target in zip(layers, targets, strict=True)}
-        if len(slots) != 1:
-            raise RuntimeError(f"{type(self).__name__}: layers hold different entry counts {sorted(slots)}")
-        device, batch = layers[0].keys.device, layers[0].keys.shape[0]
-        if self.slot.device != device or self.lengths.shape[0] != batch:
-            self._place_counters(device, batch)
-        slot = slots.pop()
-        self.slot.fill_(slot)
-        self.lengths.fill_(slot + 1)
-        self.position.fill_(layers[0].seen - q_len)
-        self._armed = self._hooked
-
-    def before_forward(self, q_len: int) -> None:
-        """What a pre-hook on the model's decoder runs before each forward (`flexentropy.enable` installs it):
-        `prepare`, unless it already ran for this step."""
-        self._hooked = True
-        self.prepare(q_len)
-        self._armed = False
-
-    @property
-    def prepared_by_caller(self) -> bool:
-        """Whether the forward running now was prepared by its caller (`prepared`): a pre-hook then does nothing."""
-        return self._prepared
-
-    @contextlib.contextmanager
-    def prepared(self, q_len: int) -> Iterator[None]:
-        """Run `prepare` now, and let the forward inside the block skip it: the decoder's pre-hook then traces to
-        nothing, so a compiled static step is one graph (an eager hook inside it would break it in two, each
-        entered, guarded and replayed separately at every step)."""
-        self.prepare(q_len)
-        self._prepared = True
-        try:
-            yield
-        finally:
-            self._prepared = self._armed = False
+        """``C``: entries per KV head of the static phase's buffers."""
+        return self.main.capacity
 
     @property
     def is_static(self) -> bool:
-        """Whether every layer is in its static phase (the next decode step can run captured)."""
-        return all(layer.static for layer in self.layers)
+        """Whether the cache is in its static phase proper (the next one-token step reads ``main``)."""
+        return self.stage is self.main
 
-    # -- the hand-over, static where it can be -------------------------------------------------------------------
+    @property
+    def evictions(self) -> int:
+        """Decisions that evicted so far (the first eviction, then the recompressions)."""
+        return self.progress.evictions if self.stage is not None else self.layers[0].evictions
+
+    # -- the host's part of a step ---------------------------------------------------------------------------------
+    def prepare(self, q_len: int) -> None:
+        """The host's work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a step on
+        the dynamic path; entering the prompt buffers or the buffers when due; the latent policy's decision for every
+        layer when due; counting the step. A second call before the step has run does nothing (a loop may prepare a
+        step that the model's pre-hook prepares too)."""
+        if self._pending:
+            return
+        first = self.layers[0]
+        if self.stage is None:
+            if first.prompt_length is None:
+                return   # the prompt (or nothing yet)
+            self._check_layers()
+            if q_len != 1:   # a later turn before the static phase: the dynamic path appends it
+                self._decide_turn(q_len)
+                return
+            if first.generated >= self.config.decode_delay:
+                self._decide_from_layers(self.policy.before_append(first, 1))
+            elif self._prompt_fits(first):
+                self._enter_prompt()
+            else:
+                return   # a phase-1 step on the dynamic path
+        elif q_len != 1:
+            self._leave(q_len)
+            return
+        else:
+            target = self.policy.before_append(self.progress, 1)
+            leaving_prompt = self.stage is self.prompt and self.progress.generated >= self.config.decode_delay
+            if leaving_prompt or target is not None:
+                self._evict(target)
+        self.progress.advance(q_len)
+        self._pending = q_len
+
+    def end_step(self) -> None:
+        """The host's end of a static step (the step driver calls it after replaying one): the step is counted."""
+        self._pending = 0
+
+    def _check_layer_idx(self, layer_idx: int) -> None:
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"{type(self).__name__} was built for {len(self.layers)} layers, got layer_idx "
+                             f"{layer_idx}: pass model= (or num_layers= the model's count of attention layers)")
+
+    def _check_layers(self) -> None:
+        missing = [layer.layer_idx for layer in self.layers if layer.prompt_length is None]
+        if missing:
+            raise RuntimeError(f"{type(self).__name__} was built for {len(self.layers)} layers, but layers {missing} "
+                               f"saw no prompt: pass model= (or num_layers= the model's count of attention layers)")
+        sliding = [layer.layer_idx for layer in self.layers if layer.is_sliding]
+        if sliding:
+            raise ValueError(f"{type(self).__name__} stores global-attention layers only; layers {sliding} attend a "
+                             f"sliding window: use LatentKVCache")
+
+    def _prompt_fits(self, first: PolicyLayer) -> bool:
+        delay = self.config.decode_delay
+        return (self.prompt is not None and first.evictions == 0 and first.ragged is None
+                and first.stored + delay - first.generated <= self.prompt.capacity)
+
+    # -- entering and leaving the static phase ---------------------------------------------------------------------
+    def _take_layers(self) -> None:
+        """Adopt the layers' counters, padding and query windows (the layers' own state is dropped after)."""
+        first = self.layers[0]
+        if first.window is None:
+            raise RuntimeError(f"{type(self).__name__} holds entries but no queries were handed over: the attention "
+                               f"must call cache.observe_queries(query_states, layer_idx) on every forward")
+        batch, heads, _, dim = first.window.shape
+        size = self.config.decode_window
+        if self.window is None or self.window.shape != (len(self.layers), batch, heads, size, dim) \
+                or self.window.dtype != first.window.dtype or self.window.device != first.window.device:
+            self.window = static_buffer((len(self.layers), batch, heads, size, dim), first.window.dtype,
+                                        first.window.device)
+            self.counters = {"slot": static_buffer((1,), torch.long, first.window.device),
+                             "lengths": static_buffer((batch,), torch.int32, first.window.device),
+                             "position": static_buffer((), torch.long, first.window.device)}
+        held = first.window.shape[2]
+        torch._foreach_copy_(list(self.window[:, :, :, size - held:].unbind(0)),
+                             [layer.window for layer in self.layers])
+        self.progress = Progress(seen=first.seen, observed=first.observed, stored=first.stored,
+                                 prompt_length=first.prompt_length, previous_generated=first.previous_generated,
+                                 evictions=first.evictions)
+        self.padding = first.padding
+
+    def _enter(self, stage: StaticBuffers) -> None:
+        """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
+        self.stage = stage
+        self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys, padded=self.padding is not None)
+        self._set_counters()
+        for layer in self.layers:
+            layer.reset()
+
+    def _set_counters(self) -> None:
+        stored = self.progress.stored
+        self.counters["slot"].fill_(stored)
+        self.counters["lengths"].fill_(stored + 1)
+        self.counters["position"].fill_(self.progress.seen)
+
+    def _real(self, positions: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Which of the entries at ``positions [rows * B, Hkv, S]`` are real tokens (None: no padding)."""
+        if self.padding is None:
+            return None
+        return positions - self.padding.repeat(rows)[:, None, None] >= 0
+
+    def _enter_prompt(self) -> None:
+        """The first step of a captured phase 1: the layers' entries into the prompt buffers."""
+        first = self.layers[0]
+        self.prompt.allocate(len(self.layers), first.keys, first.values)
+        self._take_layers()
+        for index, layer in enumerate(self.layers):
+            positions = layer.positions()[None]
+            self.prompt.store(slice(index, index + 1), layer.keys[None], layer.values[None], positions,
+                              self._real(positions[0], 1))
+        self._enter(self.prompt)
+
+    def _decide_from_layers(self, target: int | None) -> None:
+        """The first decision point on the dynamic path: each layer's kept entries (all of them when ``target`` is
+        None) into the buffers, one layer at a time (its prompt-sized entries are freed as it goes)."""
+        first = self.layers[0]
+        self.main.allocate(len(self.layers), first.keys, first.values)
+        self._take_layers()
+        for index, layer in enumerate(self.layers):
+            keys, values, positions = layer.keys, layer.values, layer.positions()
+            if target is not None:
+                keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
+            self.main.store(slice(index, index + 1), keys[None], values[None], positions[None],
+                            self._real(positions, 1))
+            layer.reset()
+        if target is not None:
+            self.progress.stored = min(target, self.progress.stored)
+            self.progress.evictions += 1
+        self._enter(self.main)
+
+    def _evict(self, target: int | None) -> None:
+        """A decision in a static stage: every layer keeps ``target`` entries per KV head (all of them when None, at
+        the end of a captured phase 1 whose entries fit the buffers), from the stage into the buffers."""
+        source, progress = self.stage, self.progress
+        if source is self.prompt:
+            self.main.allocate(len(self.layers), source.keys[0], source.values[0])
+        layers, batch = len(self.layers), source.keys.shape[1]
+        held = min(self.config.decode_window, progress.observed)
+        per_layer = batch * self.window.shape[2] * held * max(progress.stored, 1)
+        chunk = max(1, min(layers, SCORE_ELEMENTS // per_layer))
+        window = self.window[:, :, :, self.window.shape[3] - held:]
+        for start in range(0, layers, chunk):
+            part = slice(start, min(start + chunk, layers))
+            view = StackedView(source, part, progress, window[part].flatten(0, 1), self.padding,
+                               type(self).__name__)
+            keys, values, positions = view.keys, view.values, view.positions()
+            if target is not None:
+                keys, values, positions = gather_kv(keys, values, self.policy.select(view, target, 1), positions)
+            rows = keys.shape[0] // batch
+            self.main.store(part, keys.unflatten(0, (rows, batch)), values.unflatten(0, (rows, batch)),
+                            positions.unflatten(0, (rows, batch)),
+                            None if self.padding is None else self._real(positions, rows).unflatten(0, (rows, batch)))
+        if target is not None:
+            progress.stored = min(target, progress.stored)
+            progress.evictions += 1
+        if source is self.main:
+            self._set_counters()
+        else:
+            self._enter(self.main)
+
+    def _leave(self, q_len: int) -> None:
+        """A later turn (``q_len`` tokens after decoding began): the entries and windows back to the layers, for the
+        dynamic path; a decision due now is taken before the turn's queries are handed over, as for every step."""
+        stage, progress, held = self.stage, self.progress, min(self.config.decode_window, self.progress.observed)
+        stored = progress.stored
+        for index, layer in enumerate(self.layers):
+            layer.load_decision_state({
+                "is_initialized": True, "keys": stage.keys[index, :, :, :stored].clone(),
+                "values": stage.values[index, :, :, :stored].clone(),
+                "window": self.window[index, :, :, self.window.shape[3] - held:].clone(),
+                "kept": stage.positions[index, :, :, :stored].clone(), "padding": self.padding, "stats": {},
+                "seen": progress.seen, "observed": progress.observed, "prompt_length": progress.prompt_length,
+                "previous_generated": progress.previous_generated, "evictions": progress.evictions,
+                "evicted_at": progress.seen})
+        self.stage = None
+        self._decide_turn(q_len)
+
+    def _decide_turn(self, q_len: int) -> None:
+        """A decision due at a later turn of ``q_len`` tokens on the dynamic path, taken before the turn's queries
+        are handed over (each layer's `PolicyLayer.update` would take it after them)."""
+        for layer in self.layers:
+            target = self.policy.before_append(layer, q_len)
+            if target is not None:
+                layer.decide(target, q_len)
+
+    # -- the step, static where it can be --------------------------------------------------------------------------
     def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
-        layer = self.layers[layer_idx]
-        if layer.static:
-            layer.shift_window(query_states)
+        if self.stage is not None:   # one step's queries into the window buffer, its oldest dropped, in place
+            window = self.window[layer_idx]
+            window.copy_(torch.cat([window[:, :, query_states.shape[2]:], query_states.to(window.dtype)], dim=2))
         elif torch.compiler.is_compiling():
             eager(PolicyCache.observe_queries, self, query_states, layer_idx)
         else:
@@ -446,111 +348,119 @@ class StaticLatentKVCache(LatentKVCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[layer_idx]
-        if layer.static:
-            return layer.write(key_states, value_states)
+        stage = self.stage
+        if stage is not None:
+            stage.write(layer_idx, key_states, value_states, self.counters["slot"])
+            if layer_idx == 0:
+                stage.mark(self.counters["slot"], self.counters["position"])
+            return stage.keys[layer_idx], stage.values[layer_idx]
+        self._check_layer_idx(layer_idx)
         if torch.compiler.is_compiling():
             eager(PolicyCache.update, self, key_states, value_states, layer_idx)
-            return layer.placeholder(key_states, value_states)
+            return placeholder(key_states, value_states, self.capacity)
         return super().update(key_states, value_states, layer_idx)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:
-        """Decode attention of layer ``layer_idx``'s newest token over the buffers (static) or what it holds;
-        ``attention_mask`` is not read (padding comes from ``observe_padding``)."""
+        """Decode attention of layer ``layer_idx``'s newest token over what it holds; ``attention_mask`` is not read
+        (padding comes from ``observe_padding``). In a static stage the last layer's call ends the step: the
+        counters advance (in the step's graph)."""
+        stage = self.stage
+        if stage is not None:
+            counters = self.counters
+            out = stage.attend(layer_idx, query, counters["slot"], counters["lengths"], self.flash, scale)
+            if layer_idx == len(self.layers) - 1:
+                for counter in counters.values():
+                    counter.add_(1)
+                self._pending = 0
+            return out
         layer = self.layers[layer_idx]
-        if layer.static:
-            return layer.attend_static(query, scale)
         if torch.compiler.is_compiling():
-            return eager(layer.attend_own_mask, query, scale)
-        return layer.attend_own_mask(query, scale)
+            return eager(layer_attention, layer, query, scale)
+        return layer_attention(layer, query, scale)
+
+    # -- readers ---------------------------------------------------------------------------------------------------
+    def stored_entries(self, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[B, Hkv, S, D]`` layer ``layer_idx`` holds now (views of the buffers when static)."""
+        if self.stage is None:
+            layer = self.layers[layer_idx]
+            return layer.keys, layer.values
+        stored = self.progress.stored - self._pending
+        return self.stage.keys[layer_idx, :, :, :stored], self.stage.values[layer_idx, :, :, :stored]
 
     def stored_length(self, layer_idx: int = 0) -> int:
         """Entries held per KV head; under compilation a constant (0 before the prompt, else ``C``), so that a
         compiled step never depends on the count."""
-        layer = self.layers[layer_idx]
+        self._check_layer_idx(layer_idx)
+        held = self.stage is not None or self.layers[layer_idx].is_initialized
         if torch.compiler.is_compiling():
-            return layer.capacity if layer.is_initialized else 0
-        return layer.stored
+            return self.capacity if held else 0
+        if self.stage is None:
+            return super().stored_length(layer_idx)
+        return self.progress.stored - self._pending
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
-        """Logical length; under compilation in the static phase the 0-dim tensor `position` (as transformers'
-        ``StaticCache``), so that the compiled step does not depend on it."""
+        """Logical length (the next token's position); under compilation in a static stage the 0-dim tensor of the
+        counters (as transformers' ``StaticCache``), so that the compiled step does not depend on it."""
+        if self.stage is None:
+            return self.layers[layer_idx].get_seq_length()
+        if torch.compiler.is_compiling():
+            return self.counters["position"]
+        return self.progress.seen - self._pending
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """A prompt: its own size; any later forward ``(C, 0)``, a constant (the steps ignore HF's mask): one mask
+        shape for every decode graph."""
         layer = self.layers[layer_idx]
-        if layer.static and torch.compiler.is_compiling():
-            return self.position
-        return layer.get_seq_length()
+        if self.stage is None and layer.prompt_length is None:
+            return layer.get_mask_sizes(query_length)
+        return self.capacity, 0
+
+    def head_lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        if self.stage is None:
+            return super().head_lengths(layer_idx)
+        shape = self.stage.keys.shape[1:3]
+        return torch.full(shape, self.stored_length(layer_idx), dtype=torch.long, device=self.stage.keys.device)
+
+    def kept_positions(self, layer_idx: int = 0) -> torch.Tensor:
+        if self.stage is None:
+            return super().kept_positions(layer_idx)
+        return self.stage.positions[layer_idx, :, :, :self.stored_length(layer_idx)]
+
+    def nbytes(self, layer_idx: int | None = None) -> int:
+        """Bytes held: on the dynamic path the layers' (`PolicyCache.nbytes`); in a static stage the buffers' whole
+        capacity, prompt buffers and query window included (a layer's share for ``layer_idx``)."""
+        if self.stage is None:
+            return super().nbytes(layer_idx)
+        stages = self.main.nbytes() + (self.prompt.nbytes() if self.prompt is not None else 0)
+        total = stages + self.window.numel() * self.window.element_size()
+        return total if layer_idx is None else total // len(self.layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support beam search; use LatentKVCache")
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of what a step changes in place besides its own slot (the counters and the query window): recording
+        a step runs it, and `restore` undoes that."""
+        return [tensor.clone() for tensor in (self.window, *self.counters.values())]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        """Put back a `snapshot`."""
+        torch._foreach_copy_([self.window, *self.counters.values()], saved)
 
 
-# -- static buffers ------------------------------------------------------------------------------------------------
-def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new zeroed buffer whose address a captured step may keep, marked a static address for dynamo.
-
-    A CUDA graph reads its static inputs at the addresses it was recorded with, and torch's CUDA graph trees
-    (``mode="reduce-overhead"``) record the whole step again for every new address, keeping every recording: the
-    cache keeps its buffers across requests (`StaticLatentKVCache.reset`), so the graph recorded at warm-up replays.
-    """
-    buffer = torch.zeros(shape, dtype=dtype, device=device)
-    torch._dynamo.mark_static_address(buffer, guard=False)
-    torch._dynamo.mark_static(buffer)   # the prompt buffers and the buffers: one graph each, not one dynamic graph
-    return buffer
+def layer_attention(layer: PolicyLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A step's attention on the dynamic path (a phase-1 step, or a later turn's tokens, causal among themselves)
+    over the layer's entries, under its own padding mask (HF's logical mask is not read)."""
+    real = layer.real_entries()
+    if real is None:
+        return decode_attention(query, layer.keys, layer.values, scale=scale)
+    entries = torch.arange(layer.keys.shape[-2], device=query.device)
+    causal = entries <= entries[entries.shape[0] - query.shape[-2]:, None]    # [L, S]
+    return grouped_attention(query, layer.keys, layer.values, real[:, :, None, :] & causal, scale)
 
 
-# -- decisions and stores over several layers at once ----------------------------------------------------------------
-def store_entries(layers: Sequence[StaticLatentLayer], keys: torch.Tensor, values: torch.Tensor,
-                  real: torch.Tensor | None) -> None:
-    """Write compact entries to the front of each layer's buffers, mark their real entries, point the layers' views
-    at them.
-
-    Args:
-        layers: ``L`` static layers of equal shapes.
-        keys, values: ``[L, B, Hkv, S, D]``, ``[L, B, Hkv, S, Dv]``, layer ``l``'s entries at ``[l]``.
-        real: bool ``[L, B, Hkv, S]``, False at left-padding entries, or None (every entry real).
-    """
-    first, stored = layers[0], keys.shape[-2]
-    if stored > first.slots_in_use - 1:
-        raise RuntimeError(f"{first.owner} layer {first.layer_idx}: {stored} entries do not leave a free slot in the "
-                           f"static buffers of {first.slots_in_use}")
-    for name, entries in (("keys", keys), ("values", values)):
-        torch._foreach_copy_([layer.active[name][:, :, :stored] for layer in layers], list(entries.unbind(0)))
-    marks = keys.new_ones((len(layers), *first.active["real"].shape), dtype=torch.bool)
-    if real is not None:
-        marks[:, :, :, 0, :stored] = real
-    torch._foreach_copy_([layer.active["real"] for layer in layers], list(marks.unbind(0)))
-    for layer in layers:
-        layer._view(stored)
-
-
-def stackable(layers: Sequence[StaticLatentLayer]) -> bool:
-    """Whether ``layers`` can take one decision together (`decide_together`): static, rectangular, the same counts,
-    shapes, dtypes and device (layers on several GPUs, or of different head counts, decide one by one)."""
-    def signature(layer: StaticLatentLayer) -> tuple:
-        state = layer.decision_state()
-        return (*(state[name] for name in ("seen", "observed", "evicted_at", "evictions")), state["kept"] is None,
-                state["padding"] is None, tuple(state["stats"]), layer.keys.shape, layer.keys.dtype,
-                layer.keys.device, layer.values.shape, layer.window.shape, layer.window.dtype)
-
-    first = signature(layers[0])
-    return (all(layer.static and layer.active is layer.buffers and layer.ragged is None for layer in layers)
-            and all(signature(layer) == first for layer in layers[1:]))
-
-
-def decide_together(layers: Sequence[StaticLatentLayer], target: int, incoming: int) -> None:
-    """Apply one decision (keep ``target`` entries per KV head) to every layer of ``layers`` (`stackable`) at once:
-    on their `PolicyLayer.stacked` layer (the same score -> keep -> gather, `PolicyLayer.decide`), each layer's part
-    then loaded back (`PolicyLayer.split_decision`) and its entries stored (`store_entries`).
-
-    The latent policy's rule is per (batch row, KV head), so each layer keeps what it would keep alone: the work is
-    the same, in one set of kernel launches instead of one per layer (docs/performance.md, session 18).
-    """
-    count = len(layers)
-    view = PolicyLayer.stacked(layers)
-    view.decide(target, incoming)
-    for layer, part in zip(layers, view.split_decision(count), strict=True):
-        layer.load_decision_state(part)
-
-    def split(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unflatten(0, (count, -1))
-
-    real = view.real_entries()
-    store_entries(layers, split(view.keys), split(view.values), None if real is None else split(real))
+def placeholder(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-memory NaN keys and values ``[B, Hkv, count, D]`` returned by a dynamic-path step under compilation
+    (fixed shapes; the attention reads the cache through `StaticLatentKVCache.attend`)."""
+    return nan_entries(keys, values, count)

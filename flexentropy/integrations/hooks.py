@@ -5,13 +5,11 @@ own caches unchanged.
 
 - Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
-- The decoder's forward pre-hook runs `StaticLatentKVCache.before_forward` eagerly before every forward (its
-  decisions never run inside a captured step), unless the caller prepared the step itself.
-- ``model.get_compiled_call`` (what ``generate`` decodes with) prepares each forward of a `StaticLatentKVCache` first,
-  then runs its static one-token steps compiled, and the others (the prompt, phase-1 steps not in prompt buffers, a
-  later turn's forward of several tokens) eagerly.
-  Traced, a phase-1 step breaks its graph in every layer (its cache work is excluded from tracing), and the frames of
-  those breaks are then entered on every later step too.
+- The decoder's forward pre-hook runs `StaticLatentKVCache.prepare` eagerly before every forward (its decisions
+  never run inside a compiled or captured step), unless the model's `StepDriver` runs the step (``cache.driven``).
+- ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
+  through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
+  forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
 - One forward hook per decoder layer hands hidden states and the predictive distribution to a cache whose policy
   needs them (`PolicyCache.wants_signals`, InfoKV): ``observe_hidden`` per layer and, after the last layer,
   ``finish_forward`` with a function applying the final norm and the LM head (``generate`` computes logits for the
@@ -34,12 +32,14 @@ from flexentropy._compile import eager
 from flexentropy.caches.keywords import cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
+from flexentropy.integrations.step_driver import forget_drivers, step_driver
 
 CACHE_KWARG = "flexentropy_cache"
 """Keyword under which `hand_over_cache` hands the module's cache to the attention function."""
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 """Model -> the handles of the hooks `install` registered on it."""
+
 
 
 def installed(model: nn.Module) -> bool:
@@ -56,7 +56,7 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
     handles.append(decoder.register_forward_pre_hook(_prepare_static_step, with_kwargs=True))
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
-        model.get_compiled_call = _route_phase_one_eagerly(model, model.get_compiled_call)
+        model.get_compiled_call = _route_static_steps(model, model.get_compiled_call)
     _INSTALLED[model] = handles
 
 
@@ -69,6 +69,7 @@ def remove(model: nn.Module) -> bool:
     for handle in handles:
         handle.remove()
     vars(model).pop("get_compiled_call", None)
+    forget_drivers(model)
     return True
 
 
@@ -100,23 +101,28 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
 
 def _prepare_static_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     cache = cache_argument(kwargs)
-    if isinstance(cache, StaticLatentKVCache) and not cache.prepared_by_caller:
-        eager(cache.before_forward, _query_length(args, kwargs))
+    if isinstance(cache, StaticLatentKVCache) and not cache.driven:
+        eager(cache.prepare, _query_length(args, kwargs))
 
 
-def _route_phase_one_eagerly(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``get_compiled_call`` for ``model`` whose calls run a `StaticLatentKVCache`'s non-static forwards eagerly
-    (module docstring); ``compiled_call``: the model's own."""
+def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``get_compiled_call`` for ``model`` whose calls run a `StaticLatentKVCache`'s one-token steps through the
+    model's `StepDriver` and its other forwards eagerly (module docstring); ``compiled_call``: the model's own."""
     def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
         compiled = compiled_call(compile_config)
+        drivers: dict[torch.device, Any] = {}
 
         def call(*args: Any, **kwargs: Any) -> Any:
             cache = cache_argument(kwargs)
             if not isinstance(cache, StaticLatentKVCache):
                 return compiled(*args, **kwargs)
-            q_len = _query_length(args, kwargs)
-            with cache.prepared(q_len):   # first: the step that enters the buffers is static already
-                return compiled(*args, **kwargs) if cache.is_static and q_len == 1 else model(*args, **kwargs)
+            tokens, positions = kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")
+            if tokens is None or tokens.shape[1] != 1 or positions is None:
+                return model(*args, **kwargs)
+            driver = drivers.get(tokens.device)
+            if driver is None:
+                driver = drivers[tokens.device] = step_driver(model, compile_config, tokens.device)
+            return driver(tokens, positions, cache)
 
         return call
 

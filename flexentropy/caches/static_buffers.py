@@ -1,0 +1,183 @@
+"""The storage of `StaticLatentKVCache`'s static phase: every layer's entries in one tensor per kind, and the
+views a cache policy decides on.
+
+- `StaticBuffers`: one stage's buffers, ``keys [L, B, Hkv, C, D]``, ``values [L, B, Hkv, C, Dv]``, each entry's
+  logical ``positions [L, B, Hkv, C]`` and ``real [L, B, Hkv, C]`` (False at left padding); a layer's buffers are
+  views ``[l]``. A decode step writes its token at a slot held in a tensor and attends over the first ``lengths``
+  slots: nothing of its shapes changes from step to step or request to request.
+- `Progress`: the host's counters of the static phase, one set for every layer (all layers see every forward):
+  what a policy's decision point reads.
+- `StackedView`: a policy's `LayerView` of several layers of a stage at once, stacked along the batch dim
+  (``[l * B, ...]``, layer-major, views of the buffers): the latent rule is per (row, KV head), so one decision on it
+  is every layer's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexentropy.kv.decode import flash_decode, grouped_attention, split_count
+
+SPLITS = 16
+"""Most parts `flash_decode` splits one row's entries into (batch 1): flash-attn-4 runs a row on ``Hkv`` blocks of
+the GPU, so a long row (the prompt buffers of a captured phase 1) needs parts to fill it."""
+SPLIT_ENTRIES = 128
+"""Fewest entries per part (a part of fewer costs more to merge than it saves)."""
+
+
+def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new zeroed buffer whose address a captured step keeps, marked a static address for dynamo (a CUDA graph
+    reads it where it was recorded; the cache keeps its buffers across requests, `StaticLatentKVCache.reset`)."""
+    buffer = torch.zeros(shape, dtype=dtype, device=device)
+    torch._dynamo.mark_static_address(buffer, guard=False)
+    torch._dynamo.mark_static(buffer)   # one graph per stage, not one dynamic graph
+    return buffer
+
+
+class StaticBuffers:
+    """One stage of a `StaticLatentKVCache`: ``capacity`` entries per KV head of every layer (module docstring).
+
+    Attributes:
+        capacity: ``C``.
+        keys, values, positions, real: the buffers (None before `allocate`).
+        version: bumped whenever `allocate` makes new buffers (a recorded step must be recorded again).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.real: torch.Tensor | None = None
+        self.version = 0
+
+    def allocate(self, layers: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Buffers for ``layers`` layers of entries shaped like ``keys [B, Hkv, *, D]``, ``values [B, Hkv, *, Dv]``;
+        the existing ones are kept when they fit (their addresses with them)."""
+        batch, heads, _, dim = keys.shape
+        shape = (layers, batch, heads, self.capacity)
+        if (self.keys is not None and self.keys.shape == (*shape, dim) and self.values.shape[-1] == values.shape[-1]
+                and self.keys.dtype == keys.dtype and self.keys.device == keys.device):
+            return
+        self.keys = static_buffer((*shape, dim), keys.dtype, keys.device)
+        self.values = static_buffer((*shape, values.shape[-1]), values.dtype, keys.device)
+        self.positions = static_buffer(shape, torch.long, keys.device)
+        self.real = static_buffer(shape, torch.bool, keys.device)
+        self.version += 1
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold (their whole capacity)."""
+        tensors = (self.keys, self.values, self.positions, self.real)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def store(self, layers: slice, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+              real: torch.Tensor | None) -> None:
+        """Write entries to the front of layers ``layers``: ``keys [l, B, Hkv, S, D]``, ``values``, ``positions
+        [l, B, Hkv, S]``, ``real`` (None: every entry real); the slots after them are left as they are."""
+        stored = keys.shape[-2]
+        if stored >= self.capacity:
+            raise RuntimeError(f"{stored} entries do not leave a free slot in static buffers of {self.capacity}")
+        self.keys[layers, :, :, :stored].copy_(keys)
+        self.values[layers, :, :, :stored].copy_(values)
+        self.positions[layers, :, :, :stored].copy_(positions)
+        self.real[layers, :, :, :stored].copy_(True if real is None else real)
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor) -> None:
+        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, at slot ``slot`` (int64 ``[1]``) of layer
+        ``layer_idx``, in place."""
+        self.keys[layer_idx].index_copy_(2, slot, key.to(self.keys.dtype))
+        self.values[layer_idx].index_copy_(2, slot, value.to(self.values.dtype))
+
+    def mark(self, slot: torch.Tensor, position: torch.Tensor) -> None:
+        """The step's token's ``position`` (0-dim) and realness at slot ``slot`` of every layer (one write for all)."""
+        self.positions.index_copy_(3, slot, position.expand(*self.positions.shape[:3], 1))
+        self.real.index_fill_(3, slot, True)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
+               scale: float | None) -> torch.Tensor:
+        """``[B, Hq, 1, Dv]``: one step's attention over layer ``layer_idx``'s slots up to ``slot`` (its own
+        included): the first ``lengths`` of each row with flash-attn-4's kernel (split into up to `SPLITS` parts of at
+        least `SPLIT_ENTRIES`), else SDPA under the slots' validity (left padding excluded)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if flash:
+            splits = split_count(keys.shape[0], self.capacity, min(SPLITS, -(-self.capacity // SPLIT_ENTRIES)))
+            return flash_decode(query, keys, values, lengths, scale, splits=splits)
+        slots = torch.arange(self.capacity, device=keys.device)
+        valid = (slots <= slot) & self.real[layer_idx]
+        return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
+
+
+@dataclass
+class Progress:
+    """The host's counters of a `StaticLatentKVCache` in its static phase, the same for every layer; the names of
+    `LayerView` (what `CachePolicy.before_append` reads)."""
+
+    seen: int = 0
+    observed: int = 0
+    stored: int = 0
+    prompt_length: int | None = None
+    previous_generated: int | None = None
+    evictions: int = 0
+
+    @property
+    def generated(self) -> int:
+        return 0 if self.prompt_length is None else self.seen - self.prompt_length
+
+    def advance(self, tokens: int) -> None:
+        """Account for a step of ``tokens`` tokens appended and handed over."""
+        self.previous_generated = self.generated
+        self.seen += tokens
+        self.observed += tokens
+        self.stored += tokens
+
+
+class StackedView:
+    """A `LayerView` of layers ``layers`` of ``stage``, stacked along the batch dim (module docstring).
+
+    Args:
+        stage: the buffers holding the entries.
+        layers: the layers, a slice.
+        progress: the counters (``stored`` entries per KV head are live).
+        window: the query window of those layers ``[l * B, Hq, W', D]``.
+        padding: left-padding tokens of each row ``[B]``, or None.
+        owner: the cache's name (messages).
+    """
+
+    stats: dict[str, torch.Tensor] = {}
+    layer_idx = 0
+    num_layers = None
+
+    def __init__(self, stage: StaticBuffers, layers: slice, progress: Progress, window: torch.Tensor,
+                 padding: torch.Tensor | None, owner: str) -> None:
+        stored = progress.stored
+        self.keys = stage.keys[layers, :, :, :stored].flatten(0, 1)
+        self.values = stage.values[layers, :, :, :stored].flatten(0, 1)
+        self._positions = stage.positions[layers, :, :, :stored].flatten(0, 1)
+        self.window = window
+        count = self.keys.shape[0] // stage.keys.shape[1]
+        self.padding = None if padding is None else padding.repeat(count)
+        self.progress, self.owner = progress, owner
+        self.stats = {}
+
+    def __getattr__(self, name: str) -> object:   # the counters: seen, observed, stored, generated, ...
+        return getattr(self.__dict__["progress"], name)
+
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    def row_positions(self) -> torch.Tensor:
+        return self._positions if self.padding is None else self._positions - self.padding[:, None, None]
+
+    def real_entries(self) -> torch.Tensor | None:
+        return None if self.padding is None else self.row_positions() >= 0
+
+    def key_positions(self) -> torch.Tensor:
+        if self.progress.evictions == 0:   # nothing evicted yet: every head holds 0 .. S - 1
+            return torch.arange(self.progress.stored, device=self.keys.device)
+        return self._positions
+
+    def window_positions(self) -> torch.Tensor:
+        observed = self.progress.observed
+        return torch.arange(observed - self.window.shape[-2], observed, device=self.window.device)

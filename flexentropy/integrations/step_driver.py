@@ -1,0 +1,149 @@
+"""`StepDriver`: the one owner of a model's decode-step order over `StaticLatentKVCache`s (the cache's `prepare`,
+then the step of its stage, recorded once and replayed), and `step_driver`, each model's drivers.
+
+On CUDA a static step is the compiled forward (inductor, no CUDA graphs of its own) recorded in one CUDA graph per
+(cache buffers, stage, batch) and replayed: no guard, no launch and no host work between the replays but the cache's
+decisions on the steps where its policy decides. Elsewhere the compiled forward runs as it is. ``generate`` reaches
+the driver through ``model.get_compiled_call`` (`flexentropy.integrations.hooks`), `flexentropy.greedy_generate`
+directly; the drivers live here, per model (weakly), not on the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexentropy.caches.keywords import cache_keyword
+
+Forward = Callable[[torch.Tensor, torch.Tensor, Any], Any]
+"""``(tokens [B, 1] int64, position_ids [B, 1] int64, cache) -> output``: a model's one-token step (`StepDriver`)."""
+
+
+@dataclass
+class Recording:
+    """A static step recorded as a CUDA graph: its input buffers and its output (overwritten by each replay)."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    output: Any
+
+
+class StepDriver:
+    """Runs a model's one-token decode steps over `StaticLatentKVCache`s, in the order the cache needs them: the
+    cache's `prepare` (its decisions, when due), then the step of the cache's stage.
+
+    - on the dynamic path (the prompt's phase 1 outside the prompt buffers, a later turn), the eager forward;
+    - in a static stage, the compiled forward; with ``capture`` (CUDA), that forward recorded once per (cache
+      buffers, stage, batch) as a CUDA graph and replayed: recording runs the step twice on a side stream (compiling
+      it the first time) and undoes what it changed (`StaticLatentKVCache.snapshot`), so the request's step is the
+      first replay.
+
+    A replay's output is the one object recorded with the graph; the next replay overwrites its tensors (read the
+    logits before the next step, as ``generate`` and the greedy loops do).
+
+    Args:
+        forward: the model's step (`Forward`), eager.
+        compile_options: ``torch.compile`` keywords of the static steps (None: static steps run ``forward`` eagerly,
+            and nothing is recorded).
+        capture: record static steps as CUDA graphs (the model on CUDA).
+    """
+
+    def __init__(self, forward: Forward, compile_options: dict[str, Any] | None, capture: bool) -> None:
+        self.forward = forward
+        self.compiled = None if compile_options is None else torch.compile(forward, **compile_options)
+        self.capture = capture and self.compiled is not None
+        self.recordings: weakref.WeakKeyDictionary[Any, dict[tuple, Recording]] = weakref.WeakKeyDictionary()
+        self.pool: Any = None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        """One step of ``tokens [B, L]`` at ``positions [B, L]`` over ``cache``; the forward's output."""
+        cache.driven = True
+        try:
+            cache.prepare(tokens.shape[1])
+            stage = cache.stage
+            if stage is None or tokens.shape[1] != 1 or self.compiled is None:
+                return self.forward(tokens, positions, cache)
+            if not self.capture:
+                return self.compiled(tokens, positions, cache)
+            recording = self._recording(cache, stage, tokens, positions)
+            recording.tokens.copy_(tokens)
+            recording.positions.copy_(positions)
+            recording.graph.replay()
+            cache.end_step()
+            return recording.output
+        finally:
+            cache.driven = False
+
+    def _recording(self, cache: Any, stage: Any, tokens: torch.Tensor, positions: torch.Tensor) -> Recording:
+        recordings = self.recordings.setdefault(cache, {})
+        key = (id(stage), stage.version, tuple(tokens.shape))
+        if key not in recordings:
+            saved = cache.snapshot()
+            inputs = tokens.clone(), positions.clone()
+            side = torch.cuda.Stream(tokens.device)
+            side.wait_stream(torch.cuda.current_stream(tokens.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.compiled(*inputs, cache)
+                    cache.restore(saved)
+            torch.cuda.current_stream(tokens.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.compiled(*inputs, cache)
+            cache.restore(saved)
+            self.pool = graph.pool()
+            recordings[key] = Recording(graph, *inputs, output)
+        return recordings[key]
+
+    @property
+    def recorded(self) -> int:
+        """CUDA graphs recorded so far (all caches)."""
+        return sum(len(recordings) for recordings in self.recordings.values())
+
+
+def step_options(compile_config: Any, device: torch.device) -> dict[str, Any] | None:
+    """``torch.compile`` keywords of a `StepDriver`'s static steps from transformers' ``CompileConfig`` (None: its
+    defaults): its backend, options and ``fullgraph``, ``dynamic=False``; on CUDA without a mode of its own (the
+    driver records the CUDA graphs), elsewhere with the config's mode."""
+    from transformers.generation import CompileConfig
+
+    settings = (compile_config or CompileConfig()).to_dict()
+    options = {"backend": settings.get("backend", "inductor"), "fullgraph": settings.get("fullgraph", False),
+               "dynamic": False}
+    if settings.get("options"):
+        options["options"] = settings["options"]
+    if device.type != "cuda" and settings.get("mode") not in (None, "reduce-overhead"):
+        options["mode"] = settings["mode"]
+    return options
+
+
+_DRIVERS: weakref.WeakKeyDictionary[nn.Module, dict[str, StepDriver]] = weakref.WeakKeyDictionary()
+"""Model -> its `StepDriver` per compile settings."""
+
+
+def step_driver(model: nn.Module, compile_config: Any, device: torch.device, *, compiled: bool = True) -> StepDriver:
+    """``model``'s `StepDriver` for transformers' ``compile_config`` (None: its defaults), made once: its static
+    steps compiled (unless ``compiled`` is False) and, on CUDA, recorded as CUDA graphs."""
+    options = step_options(compile_config, device) if compiled else None
+    key = repr(sorted(options.items())) if options is not None else "eager"
+    drivers = _DRIVERS.setdefault(model, {})
+    if key not in drivers:
+        keyword = cache_keyword(model)
+
+        def forward(tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+            return model(input_ids=tokens, position_ids=positions, **{keyword: cache}, use_cache=True,
+                         logits_to_keep=1)
+
+        drivers[key] = StepDriver(forward, options, capture=device.type == "cuda")
+    return drivers[key]
+
+
+def forget_drivers(model: nn.Module) -> None:
+    """Drop ``model``'s drivers (and their recordings): `flexentropy.disable`."""
+    _DRIVERS.pop(model, None)

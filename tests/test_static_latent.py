@@ -95,7 +95,7 @@ def test_memory_bounded_and_shapes_static() -> None:
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if cache.is_static:
-            keys = cache.main.keys
+            keys = cache.main.keys[1]
             seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), cache.counters["slot"].data_ptr()))
             valid = (torch.arange(cache.capacity) <= cache.counters["slot"]) & cache.main.real[1]
             prefix = torch.arange(cache.capacity) < cache.counters["lengths"][:, None, None]
@@ -108,7 +108,7 @@ def test_memory_bounded_and_shapes_static() -> None:
         handle.remove()
     assert len(seen) > 100 and len(set(seen)) == 1
     assert len(prefixes) == len(seen) and all(prefixes)
-    assert seen[0][1][3] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
+    assert seen[0][1][2] == cache.capacity == EVICTING.decode_budget + EVICTING.recompress_every
     assert cache.stored_length(1) <= cache.capacity
 
 
@@ -185,11 +185,12 @@ def check_decisions_in_chunks(monkeypatch: pytest.MonkeyPatch, padding: int, dev
     drive(chunked, 40, padding=padding, device=device)
     assert together.evictions == chunked.evictions >= 3
     for name in ("keys", "values", "positions", "real"):
-        assert torch.equal(getattr(together.main, name), getattr(chunked.main, name)), name
-    assert torch.equal(together.window, chunked.window)
+        for got, expected in zip(getattr(together.main, name), getattr(chunked.main, name), strict=True):
+            assert torch.equal(got, expected), name
+    assert all(torch.equal(a, b) for a, b in zip(together.window, chunked.window, strict=True))
     assert not torch.equal(together.kept_positions(0), together.kept_positions(1))
     if padding:  # row 1 holds fewer real tokens than the budget: padding entries stay, marked unreal
-        assert not together.main.real[0, 1, :, :together.stored_length(0)].all()
+        assert not together.main.real[0][1, :, :together.stored_length(0)].all()
 
 
 @pytest.mark.parametrize("padding", [0, 250])
@@ -260,7 +261,7 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     """Addresses of every tensor a captured step reads in place (buffers and counters)."""
     main = cache.main
-    tensors = [*cache.counters.values(), cache.window, main.keys, main.values, main.positions, main.real]
+    tensors = [*cache.counters.values(), *cache.window, *main.keys, *main.values, *main.positions, *main.real]
     return {tensor.data_ptr() for tensor in tensors}
 
 
@@ -334,14 +335,14 @@ def test_a_later_turn_continues_on_the_same_cache() -> None:
     torch._dynamo.reset()
     compiled = StaticLatentKVCache(EVICTING, model=model)
     first = greedy(model, ids, compiled, 30, compile_config=cpu_compile())
-    addresses = compiled.main.keys.data_ptr()
+    addresses = compiled.main.keys[0].data_ptr()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     turn = torch.cat([ids, first, prompt(25, seed=9)], dim=1)
     with torch._dynamo.config.patch(error_on_recompile=True):
         second = greedy(model, turn, compiled, 30, compile_config=cpu_compile())
     assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert compiled.main.keys.data_ptr() == addresses and compiled.is_static
+    assert compiled.main.keys[0].data_ptr() == addresses and compiled.is_static
 
     layer = StaticLatentKVCache(EVICTING, num_layers=1).layers[0]   # causal within a later turn, padded or not
     query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
@@ -363,7 +364,7 @@ def test_captured_phase_one_takes_the_same_decisions(config: fe.EntropyConfig, l
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if cache.stage is cache.prompt:   # the decode steps before the first decision point
-            phase_one.append((cache.prompt.keys.data_ptr(), cache.stored_length(1)))
+            phase_one.append((cache.prompt.keys[1].data_ptr(), cache.stored_length(1)))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
     try:
@@ -372,11 +373,11 @@ def test_captured_phase_one_takes_the_same_decisions(config: fe.EntropyConfig, l
         handle.remove()
     assert [entry[1] for entry in phase_one] == list(range(length, length + config.decode_delay))
     assert len({entry[0] for entry in phase_one}) == 1
-    assert cache.is_static and cache.prompt.keys.shape[3] == length + 20 + config.decode_delay
+    assert cache.is_static and cache.prompt.keys[1].shape[2] == length + 20 + config.decode_delay
     assert torch.equal(cache.kept_positions(0), dynamic.kept_positions(0))
     short = StaticLatentKVCache(config, model=model, max_prompt_length=length - 1)
     assert torch.equal(greedy(model, ids, short, 40, disable_compile=True), expected)
-    assert short.prompt.keys is None
+    assert not short.prompt.keys
 
 
 def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
@@ -391,12 +392,12 @@ def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
     assert torch.equal(got, greedy(model, ids, LatentKVCache(EVICTING), 40, disable_compile=True))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch._dynamo.utils.counters["graph_break"]
-    addresses = {cache.prompt.keys.data_ptr(), cache.prompt.values.data_ptr()}
+    addresses = {buffer.data_ptr() for buffer in (*cache.prompt.keys, *cache.prompt.values)}
     cache.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = greedy(model, other, cache, 70, compile_config=cpu_compile())
     assert torch.equal(got, greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True))
-    assert {cache.prompt.keys.data_ptr(), cache.prompt.values.data_ptr()} == addresses
+    assert {buffer.data_ptr() for buffer in (*cache.prompt.keys, *cache.prompt.values)} == addresses
 
 
 def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
@@ -694,7 +695,7 @@ def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch) 
     """No host-device synchronisation on the decode path: over 40 steps after the prompt, through the first eviction,
     the recompressions and the static steps (eager forwards and the cache's decisions), nothing reads a tensor's
     value on the host (``item``, ``__bool__``, ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for
-    the GPU there)."""
+    the GPU there), and no host value is copied into a tensor (a copy from pageable memory waits too)."""
     from flexentropy.integrations.step_driver import step_driver
 
     model = model_for("llama", EVICTING)
@@ -709,6 +710,14 @@ def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch) 
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: reads.append(_n)
                                 or _f(self, *a, **k))
+        copy = torch.Tensor.copy_
+
+        def checked_copy(self: torch.Tensor, source: object, *args: object, **kwargs: object) -> torch.Tensor:
+            if not isinstance(source, torch.Tensor) or source.device != self.device:   # a host value to the device
+                reads.append("copy_ from the host")
+            return copy(self, source, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", checked_copy)
         for _ in range(40):
             tokens = driver(tokens, position, cache).logits[:, -1:].argmax(-1)
             position = position + 1

@@ -1,15 +1,15 @@
 """The storage of `StaticLatentKVCache`'s static phase: every layer's entries in one tensor per kind, and the
 views a cache policy decides on.
 
-- `StaticBuffers`: one stage's buffers, ``keys [L, B, Hkv, C, D]``, ``values [L, B, Hkv, C, Dv]``, each entry's
-  logical ``positions [L, B, Hkv, C]`` and ``real [L, B, Hkv, C]`` (False at left padding); a layer's buffers are
-  views ``[l]``. A decode step writes its token at a slot held in a tensor and attends over the first ``lengths``
-  slots: nothing of its shapes changes from step to step or request to request.
+- `StaticBuffers`: one stage's buffers, per layer ``keys [B, Hkv, C, D]``, ``values [B, Hkv, C, Dv]``, each
+  entry's logical ``positions [B, Hkv, C]`` and ``real [B, Hkv, C]`` (False at left padding). A decode step writes
+  its token at a slot held in a tensor and attends over the first ``lengths`` slots: nothing of its shapes changes
+  from step to step or request to request.
 - `Progress`: the host's counters of the static phase, one set for every layer (all layers see every forward):
   what a policy's decision point reads.
 - `StackedView`: a policy's `LayerView` of several layers of a stage at once, stacked along the batch dim
-  (``[l * B, ...]``, layer-major, views of the buffers): the latent rule is per (row, KV head), so one decision on it
-  is every layer's own.
+  (``[l * B, ...]``, layer-major): the latent rule is per (row, KV head), so one decision on it is every layer's
+  own.
 """
 
 from __future__ import annotations
@@ -39,61 +39,78 @@ def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 class StaticBuffers:
     """One stage of a `StaticLatentKVCache`: ``capacity`` entries per KV head of every layer (module docstring).
 
+    Each layer's buffers are tensors of their own (a step's in-place writes into a view of one tensor for all layers
+    would make the compiled step copy the whole tensor); decisions read several layers at once through `stacked`.
+
     Attributes:
         capacity: ``C``.
-        keys, values, positions, real: the buffers (None before `allocate`).
+        keys, values, positions, real: per layer, ``[B, Hkv, C, D]``, ``[B, Hkv, C, Dv]``, ``[B, Hkv, C]`` int64,
+            ``[B, Hkv, C]`` bool (empty before `allocate`).
         version: bumped whenever `allocate` makes new buffers (a recorded step must be recorded again).
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.real: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.real: list[torch.Tensor] = []
         self.version = 0
 
     def allocate(self, layers: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Buffers for ``layers`` layers of entries shaped like ``keys [B, Hkv, *, D]``, ``values [B, Hkv, *, Dv]``;
         the existing ones are kept when they fit (their addresses with them)."""
         batch, heads, _, dim = keys.shape
-        shape = (layers, batch, heads, self.capacity)
-        if (self.keys is not None and self.keys.shape == (*shape, dim) and self.values.shape[-1] == values.shape[-1]
-                and self.keys.dtype == keys.dtype and self.keys.device == keys.device):
+        shape = (batch, heads, self.capacity)
+        first = self.keys[0] if self.keys else None
+        if (first is not None and len(self.keys) == layers and first.shape == (*shape, dim)
+                and self.values[0].shape[-1] == values.shape[-1] and first.dtype == keys.dtype
+                and first.device == keys.device):
             return
-        self.keys = static_buffer((*shape, dim), keys.dtype, keys.device)
-        self.values = static_buffer((*shape, values.shape[-1]), values.dtype, keys.device)
-        self.positions = static_buffer(shape, torch.long, keys.device)
-        self.real = static_buffer(shape, torch.bool, keys.device)
+        device = keys.device
+        self.keys = [static_buffer((*shape, dim), keys.dtype, device) for _ in range(layers)]
+        self.values = [static_buffer((*shape, values.shape[-1]), values.dtype, device) for _ in range(layers)]
+        self.positions = [static_buffer(shape, torch.long, device) for _ in range(layers)]
+        self.real = [static_buffer(shape, torch.bool, device) for _ in range(layers)]
         self.version += 1
 
     def nbytes(self) -> int:
         """Bytes the buffers hold (their whole capacity)."""
-        tensors = (self.keys, self.values, self.positions, self.real)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.positions, *self.real))
 
-    def store(self, layers: slice, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    def stacked(self, name: str, layers: range, stored: int) -> torch.Tensor:
+        """The first ``stored`` entries of buffer ``name`` of ``layers``, stacked along the batch dim: ``[l * B,
+        ...]`` (a view for one layer, a copy for several)."""
+        parts = [buffer[:, :, :stored] for buffer in getattr(self, name)[layers.start:layers.stop]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def store(self, layers: range, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               real: torch.Tensor | None) -> None:
-        """Write entries to the front of layers ``layers``: ``keys [l, B, Hkv, S, D]``, ``values``, ``positions
-        [l, B, Hkv, S]``, ``real`` (None: every entry real); the slots after them are left as they are."""
-        stored = keys.shape[-2]
+        """Write entries to the front of layers ``layers``: ``keys [l * B, Hkv, S, D]``, ``values``, ``positions
+        [l * B, Hkv, S]`` and ``real`` (None: every entry real), stacked along the batch dim as `stacked` gives
+        them; the slots after them are left as they are."""
+        stored, count = keys.shape[-2], len(layers)
         if stored >= self.capacity:
             raise RuntimeError(f"{stored} entries do not leave a free slot in static buffers of {self.capacity}")
-        self.keys[layers, :, :, :stored].copy_(keys)
-        self.values[layers, :, :, :stored].copy_(values)
-        self.positions[layers, :, :, :stored].copy_(positions)
-        self.real[layers, :, :, :stored].copy_(True if real is None else real)
+        chosen = slice(layers.start, layers.stop)
+        for name, entries in (("keys", keys), ("values", values), ("positions", positions)):
+            torch._foreach_copy_([buffer[:, :, :stored] for buffer in getattr(self, name)[chosen]],
+                                 list(entries.chunk(count)))
+        front = [buffer[:, :, :stored] for buffer in self.real[chosen]]
+        if real is None:
+            for buffer in front:   # fill_, not a copy of a host value: nothing waits on the device
+                buffer.fill_(True)
+        else:
+            torch._foreach_copy_(front, list(real.chunk(count)))
 
-    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor) -> None:
-        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, at slot ``slot`` (int64 ``[1]``) of layer
-        ``layer_idx``, in place."""
-        self.keys[layer_idx].index_copy_(2, slot, key.to(self.keys.dtype))
-        self.values[layer_idx].index_copy_(2, slot, value.to(self.values.dtype))
-
-    def mark(self, slot: torch.Tensor, position: torch.Tensor) -> None:
-        """The step's token's ``position`` (0-dim) and realness at slot ``slot`` of every layer (one write for all)."""
-        self.positions.index_copy_(3, slot, position.expand(*self.positions.shape[:3], 1))
-        self.real.index_fill_(3, slot, True)
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
+              position: torch.Tensor) -> None:
+        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (0-dim), at slot ``slot`` (int64
+        ``[1]``) of layer ``layer_idx``, in place."""
+        self.keys[layer_idx].index_copy_(2, slot, key.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, slot, value.to(self.values[layer_idx].dtype))
+        self.positions[layer_idx].index_fill_(2, slot, position)
+        self.real[layer_idx].index_fill_(2, slot, True)
 
     def attend(self, layer_idx: int, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
                scale: float | None) -> torch.Tensor:
@@ -138,28 +155,26 @@ class StackedView:
 
     Args:
         stage: the buffers holding the entries.
-        layers: the layers, a slice.
+        layers: the layers, a range.
         progress: the counters (``stored`` entries per KV head are live).
         window: the query window of those layers ``[l * B, Hq, W', D]``.
         padding: left-padding tokens of each row ``[B]``, or None.
         owner: the cache's name (messages).
     """
 
-    stats: dict[str, torch.Tensor] = {}
     layer_idx = 0
     num_layers = None
 
-    def __init__(self, stage: StaticBuffers, layers: slice, progress: Progress, window: torch.Tensor,
+    def __init__(self, stage: StaticBuffers, layers: range, progress: Progress, window: torch.Tensor,
                  padding: torch.Tensor | None, owner: str) -> None:
         stored = progress.stored
-        self.keys = stage.keys[layers, :, :, :stored].flatten(0, 1)
-        self.values = stage.values[layers, :, :, :stored].flatten(0, 1)
-        self._positions = stage.positions[layers, :, :, :stored].flatten(0, 1)
+        self.keys = stage.stacked("keys", layers, stored)
+        self.values = stage.stacked("values", layers, stored)
+        self._positions = stage.stacked("positions", layers, stored)
         self.window = window
-        count = self.keys.shape[0] // stage.keys.shape[1]
-        self.padding = None if padding is None else padding.repeat(count)
+        self.padding = None if padding is None else padding.repeat(len(layers))
         self.progress, self.owner = progress, owner
-        self.stats = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     def __getattr__(self, name: str) -> object:   # the counters: seen, observed, stored, generated, ...
         return getattr(self.__dict__["progress"], name)

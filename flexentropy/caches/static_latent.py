@@ -9,8 +9,8 @@ Phases (design.md §2):
    decode_delay`` entries per KV head), static like phase 2;
 2. from the first decision point on, the buffers (``decode_budget + recompress_every`` entries per KV head).
 
-In a static phase every layer's entries live in one tensor per kind (`StaticBuffers`: ``keys [L, B, Hkv, C, D]``
-and so on) with one query window ``[L, B, Hq, W, D]``, and the step's counters are tensors: the slot the token is
+In a static phase the entries live in preallocated buffers (`StaticBuffers`: per layer ``keys [B, Hkv, C, D]`` and
+so on) with a query window ``[B, Hq, W, D]`` per layer, and the step's counters are tensors: the slot the token is
 written to, the entries each row reads (``lengths``) and the token's position. A step writes, attends and
 advances those counters inside its own graph (the last layer's `attend` advances them), so the host does nothing
 between steps but `prepare`: it counts the step and, on the steps where the latent policy decides (the first
@@ -49,7 +49,7 @@ from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode import decode_attention, flash_decode_usable, grouped_attention
 from flexentropy.kv.keep import gather_kv
 
-SCORE_ELEMENTS = 1 << 28
+SCORE_ELEMENTS = 1 << 27
 """Most window scores (float32) one decision holds at once: the layers of a long prompt are decided in chunks."""
 
 
@@ -115,7 +115,7 @@ class StaticLatentKVCache(LatentKVCache):
         delay = self.config.decode_delay
         self.main = StaticBuffers(self.config.decode_budget + self.config.recompress_every)
         self.prompt = StaticBuffers(max_prompt_length + delay) if max_prompt_length is not None and delay else None
-        self.window: torch.Tensor | None = None
+        self.window: list[torch.Tensor] = []
         self.counters: dict[str, torch.Tensor] = {}
         self.flash = False
         self.driven = False
@@ -217,15 +217,16 @@ class StaticLatentKVCache(LatentKVCache):
                                f"must call cache.observe_queries(query_states, layer_idx) on every forward")
         batch, heads, _, dim = first.window.shape
         size = self.config.decode_window
-        if self.window is None or self.window.shape != (len(self.layers), batch, heads, size, dim) \
-                or self.window.dtype != first.window.dtype or self.window.device != first.window.device:
-            self.window = static_buffer((len(self.layers), batch, heads, size, dim), first.window.dtype,
-                                        first.window.device)
-            self.counters = {"slot": static_buffer((1,), torch.long, first.window.device),
-                             "lengths": static_buffer((batch,), torch.int32, first.window.device),
-                             "position": static_buffer((), torch.long, first.window.device)}
+        shape = (batch, heads, size, dim)
+        if not self.window or self.window[0].shape != shape or self.window[0].dtype != first.window.dtype \
+                or self.window[0].device != first.window.device:
+            device = first.window.device
+            self.window = [static_buffer(shape, first.window.dtype, device) for _ in self.layers]
+            self.counters = {"slot": static_buffer((1,), torch.long, device),
+                             "lengths": static_buffer((batch,), torch.int32, device),
+                             "position": static_buffer((), torch.long, device)}
         held = first.window.shape[2]
-        torch._foreach_copy_(list(self.window[:, :, :, size - held:].unbind(0)),
+        torch._foreach_copy_([window[:, :, size - held:] for window in self.window],
                              [layer.window for layer in self.layers])
         self.progress = Progress(seen=first.seen, observed=first.observed, stored=first.stored,
                                  prompt_length=first.prompt_length, previous_generated=first.previous_generated,
@@ -235,7 +236,7 @@ class StaticLatentKVCache(LatentKVCache):
     def _enter(self, stage: StaticBuffers) -> None:
         """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
         self.stage = stage
-        self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys, padded=self.padding is not None)
+        self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys[0], padded=self.padding is not None)
         self._set_counters()
         for layer in self.layers:
             layer.reset()
@@ -258,9 +259,8 @@ class StaticLatentKVCache(LatentKVCache):
         self.prompt.allocate(len(self.layers), first.keys, first.values)
         self._take_layers()
         for index, layer in enumerate(self.layers):
-            positions = layer.positions()[None]
-            self.prompt.store(slice(index, index + 1), layer.keys[None], layer.values[None], positions,
-                              self._real(positions[0], 1))
+            positions = layer.positions()
+            self.prompt.store(range(index, index + 1), layer.keys, layer.values, positions, self._real(positions, 1))
         self._enter(self.prompt)
 
     def _decide_from_layers(self, target: int | None) -> None:
@@ -273,8 +273,7 @@ class StaticLatentKVCache(LatentKVCache):
             keys, values, positions = layer.keys, layer.values, layer.positions()
             if target is not None:
                 keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
-            self.main.store(slice(index, index + 1), keys[None], values[None], positions[None],
-                            self._real(positions, 1))
+            self.main.store(range(index, index + 1), keys, values, positions, self._real(positions, 1))
             layer.reset()
         if target is not None:
             self.progress.stored = min(target, self.progress.stored)
@@ -287,22 +286,18 @@ class StaticLatentKVCache(LatentKVCache):
         source, progress = self.stage, self.progress
         if source is self.prompt:
             self.main.allocate(len(self.layers), source.keys[0], source.values[0])
-        layers, batch = len(self.layers), source.keys.shape[1]
+        layers = len(self.layers)
         held = min(self.config.decode_window, progress.observed)
-        per_layer = batch * self.window.shape[2] * held * max(progress.stored, 1)
-        chunk = max(1, min(layers, SCORE_ELEMENTS // per_layer))
-        window = self.window[:, :, :, self.window.shape[3] - held:]
+        batch, heads, size = self.window[0].shape[:3]
+        chunk = max(1, min(layers, SCORE_ELEMENTS // (batch * heads * held * max(progress.stored, 1))))
         for start in range(0, layers, chunk):
-            part = slice(start, min(start + chunk, layers))
-            view = StackedView(source, part, progress, window[part].flatten(0, 1), self.padding,
-                               type(self).__name__)
+            part = range(start, min(start + chunk, layers))
+            window = torch.cat([self.window[index][:, :, size - held:] for index in part])
+            view = StackedView(source, part, progress, window, self.padding, type(self).__name__)
             keys, values, positions = view.keys, view.values, view.positions()
             if target is not None:
                 keys, values, positions = gather_kv(keys, values, self.policy.select(view, target, 1), positions)
-            rows = keys.shape[0] // batch
-            self.main.store(part, keys.unflatten(0, (rows, batch)), values.unflatten(0, (rows, batch)),
-                            positions.unflatten(0, (rows, batch)),
-                            None if self.padding is None else self._real(positions, rows).unflatten(0, (rows, batch)))
+            self.main.store(part, keys, values, positions, self._real(positions, len(part)))
         if target is not None:
             progress.stored = min(target, progress.stored)
             progress.evictions += 1
@@ -315,13 +310,13 @@ class StaticLatentKVCache(LatentKVCache):
         """A later turn (``q_len`` tokens after decoding began): the entries and windows back to the layers, for the
         dynamic path; a decision due now is taken before the turn's queries are handed over, as for every step."""
         stage, progress, held = self.stage, self.progress, min(self.config.decode_window, self.progress.observed)
-        stored = progress.stored
+        stored, size = progress.stored, self.config.decode_window
         for index, layer in enumerate(self.layers):
             layer.load_decision_state({
-                "is_initialized": True, "keys": stage.keys[index, :, :, :stored].clone(),
-                "values": stage.values[index, :, :, :stored].clone(),
-                "window": self.window[index, :, :, self.window.shape[3] - held:].clone(),
-                "kept": stage.positions[index, :, :, :stored].clone(), "padding": self.padding, "stats": {},
+                "is_initialized": True, "keys": stage.keys[index][:, :, :stored].clone(),
+                "values": stage.values[index][:, :, :stored].clone(),
+                "window": self.window[index][:, :, size - held:].clone(),
+                "kept": stage.positions[index][:, :, :stored].clone(), "padding": self.padding, "stats": {},
                 "seen": progress.seen, "observed": progress.observed, "prompt_length": progress.prompt_length,
                 "previous_generated": progress.previous_generated, "evictions": progress.evictions,
                 "evicted_at": progress.seen})
@@ -350,9 +345,7 @@ class StaticLatentKVCache(LatentKVCache):
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         stage = self.stage
         if stage is not None:
-            stage.write(layer_idx, key_states, value_states, self.counters["slot"])
-            if layer_idx == 0:
-                stage.mark(self.counters["slot"], self.counters["position"])
+            stage.write(layer_idx, key_states, value_states, self.counters["slot"], self.counters["position"])
             return stage.keys[layer_idx], stage.values[layer_idx]
         self._check_layer_idx(layer_idx)
         if torch.compiler.is_compiling():
@@ -386,7 +379,7 @@ class StaticLatentKVCache(LatentKVCache):
             layer = self.layers[layer_idx]
             return layer.keys, layer.values
         stored = self.progress.stored - self._pending
-        return self.stage.keys[layer_idx, :, :, :stored], self.stage.values[layer_idx, :, :, :stored]
+        return self.stage.keys[layer_idx][:, :, :stored], self.stage.values[layer_idx][:, :, :stored]
 
     def stored_length(self, layer_idx: int = 0) -> int:
         """Entries held per KV head; under compilation a constant (0 before the prompt, else ``C``), so that a
@@ -419,13 +412,13 @@ class StaticLatentKVCache(LatentKVCache):
     def head_lengths(self, layer_idx: int = 0) -> torch.Tensor:
         if self.stage is None:
             return super().head_lengths(layer_idx)
-        shape = self.stage.keys.shape[1:3]
-        return torch.full(shape, self.stored_length(layer_idx), dtype=torch.long, device=self.stage.keys.device)
+        keys = self.stage.keys[layer_idx]
+        return torch.full(keys.shape[:2], self.stored_length(layer_idx), dtype=torch.long, device=keys.device)
 
     def kept_positions(self, layer_idx: int = 0) -> torch.Tensor:
         if self.stage is None:
             return super().kept_positions(layer_idx)
-        return self.stage.positions[layer_idx, :, :, :self.stored_length(layer_idx)]
+        return self.stage.positions[layer_idx][:, :, :self.stored_length(layer_idx)]
 
     def nbytes(self, layer_idx: int | None = None) -> int:
         """Bytes held: on the dynamic path the layers' (`PolicyCache.nbytes`); in a static stage the buffers' whole
@@ -433,7 +426,7 @@ class StaticLatentKVCache(LatentKVCache):
         if self.stage is None:
             return super().nbytes(layer_idx)
         stages = self.main.nbytes() + (self.prompt.nbytes() if self.prompt is not None else 0)
-        total = stages + self.window.numel() * self.window.element_size()
+        total = stages + sum(window.numel() * window.element_size() for window in self.window)
         return total if layer_idx is None else total // len(self.layers)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -442,11 +435,11 @@ class StaticLatentKVCache(LatentKVCache):
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of what a step changes in place besides its own slot (the counters and the query window): recording
         a step runs it, and `restore` undoes that."""
-        return [tensor.clone() for tensor in (self.window, *self.counters.values())]
+        return [tensor.clone() for tensor in (*self.window, *self.counters.values())]
 
     def restore(self, saved: list[torch.Tensor]) -> None:
         """Put back a `snapshot`."""
-        torch._foreach_copy_([self.window, *self.counters.values()], saved)
+        torch._foreach_copy_([*self.window, *self.counters.values()], saved)
 
 
 def layer_attention(layer: PolicyLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -10,6 +10,9 @@ own caches unchanged.
 - ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
   through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
   forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
+- ``model.create_masks_for_generate`` (what ``generate`` builds a compileable cache's 4D mask with before every
+  step) hands a `StaticLatentKVCache`'s one-token steps their 2D mask as it is: their attention reads the cache's
+  own validity, and the mask would be host work in every step.
 - One forward hook per decoder layer hands hidden states and the predictive distribution to a cache whose policy
   needs them (`PolicyCache.wants_signals`, InfoKV): ``observe_hidden`` per layer and, after the last layer,
   ``finish_forward`` with a function applying the final norm and the LM head (``generate`` computes logits for the
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from transformers.masking_utils import create_masks_for_generate
 
 from flexentropy._compile import eager
 from flexentropy.caches.keywords import cache_argument
@@ -57,6 +61,8 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
         model.get_compiled_call = _route_static_steps(model, model.get_compiled_call)
+    model.create_masks_for_generate = _no_mask_for_static_steps(
+        getattr(model, "create_masks_for_generate", create_masks_for_generate))
     _INSTALLED[model] = handles
 
 
@@ -69,6 +75,7 @@ def remove(model: nn.Module) -> bool:
     for handle in handles:
         handle.remove()
     vars(model).pop("get_compiled_call", None)
+    vars(model).pop("create_masks_for_generate", None)
     forget_drivers(model)
     return True
 
@@ -127,6 +134,18 @@ def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> 
         return call
 
     return get_compiled_call
+
+
+def _no_mask_for_static_steps(create: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``create_masks_for_generate`` that returns the 2D ``attention_mask`` of a `StaticLatentKVCache`'s one-token
+    steps unchanged (module docstring) and calls ``create`` for everything else."""
+    def create_masks(**kwargs: Any) -> Any:
+        cache, embeds = kwargs.get("past_key_values"), kwargs.get("inputs_embeds")
+        if isinstance(cache, StaticLatentKVCache) and embeds is not None and embeds.shape[1] == 1:
+            return kwargs.get("attention_mask")
+        return create(**kwargs)
+
+    return create_masks
 
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:

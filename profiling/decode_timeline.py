@@ -378,6 +378,55 @@ def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, devic
             "artifacts_existed": args.artifacts_existed}
 
 
+PHASES = {"static": "static steps", "phase1": "phase-1 steps", "first_eviction": "first eviction",
+          "recompression": "recompressions"}
+
+
+def breakdown(steps: list[dict], per_token_ms: float, new: int) -> dict[str, float]:
+    """Milliseconds per generated token: each phase's summed step time (CUDA events around each step: its GPU work and
+    any launch wait inside the call), and what remains of ``(t_new - t_1)`` between the steps (the host's work while
+    the GPU waits: ``generate``'s own, its synchronisation)."""
+    per = 1.0 / (new - 1)
+    parts = {label: sum(s["gpu_ms"] for s in steps if s["phase"] == phase) * per for phase, label in PHASES.items()}
+    parts["between steps"] = max(per_token_ms - sum(parts.values()), 0.0)
+    return parts
+
+
+def plot(folder: Path) -> dict[str, dict[str, float]]:
+    """``folder/per_token.png``: per generated token of the first ``--new-tokens`` request, before and after, through
+    ``generate`` and `greedy_generate`, stacked by `breakdown`, beside the dense decode of the same run; returns the
+    breakdowns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars: dict[str, dict[str, float]] = {}
+    for run in ("before", "after"):
+        rows = json.loads((folder / f"{run}.json").read_text())["rows"]
+        dense = next(r for r in rows if r.get("part") == "dense")
+        bars[f"dense, {run} run"] = {"dense step": dense["per_token_ms"]}
+        for via in ("generate", "greedy_generate"):
+            row = next(r for r in rows if r.get("variant") == f"flexentropy_{via}" and "phases" in r)
+            steps = json.loads((folder / f"{run}_steps_{via}.json").read_text())["steps"]
+            bars[f"{via}, {run}"] = breakdown(steps, row["per_token_ms"], row["new_tokens"])
+    labels = list(bars)
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    colors = {"dense step": "#888888", "static steps": "#1f77b4", "phase-1 steps": "#ff7f0e",
+              "first eviction": "#d62728", "recompressions": "#9467bd", "between steps": "#bcbd22"}
+    for name, color in colors.items():
+        left = [sum(v for k, v in bars[label].items() if list(colors).index(k) < list(colors).index(name))
+                for label in labels]
+        ax.barh(labels, [bars[label].get(name, 0.0) for label in labels], left=left, color=color, label=name)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per generated token, (t_256 - t_1) / 255, 131,072-token prompt")
+    ax.set_title("Llama-3.1-8B shape on one H200: where a generated token's time goes")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(folder / "per_token.png", dpi=120)
+    return bars
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="dense,flexentropy,profile,check")
@@ -394,7 +443,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default="docs/results/decode_timeline/timeline.json")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="only plot the runs FOLDER/before.json and FOLDER/after.json (FOLDER/per_token.png) and print "
+                        "their breakdowns")
     args = p.parse_args(argv)
+    if args.plot:
+        for label, parts in plot(args.plot).items():
+            print(f"{label:32s} " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) +
+                  f" = {sum(parts.values()):.2f} ms")
+        return
     args.artifacts_existed = bool(args.artifacts) and Path(args.artifacts).is_file()
     device = torch.device(args.device)
     out = Path(args.out)

@@ -149,10 +149,14 @@ def load_artifacts(path: Path) -> None:
     if not path.is_file():
         return
     try:
-        torch.compiler.load_cache_artifacts(path.read_bytes())
+        loaded = torch.compiler.load_cache_artifacts(path.read_bytes())
     except Exception as err:  # noqa: BLE001 - torch raises several kinds for a file that is not its own
-        warnings.warn(f"warm_up: could not load the compiled artifacts in {path} ({type(err).__name__}: {err}); "
-                      f"compiling, and writing the file anew", stacklevel=3)
+        loaded, reason = None, f" ({type(err).__name__}: {err})"
+    else:
+        reason = ""
+    if loaded is None:
+        warnings.warn(f"warm_up: could not load the compiled artifacts in {path}{reason}; compiling, and writing "
+                      f"the file anew", stacklevel=3)
 
 
 def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,

@@ -672,6 +672,26 @@ def test_greedy_generate_validation() -> None:
                            attention_mask=torch.ones(1, 39, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 0)
+    right = torch.ones(2, 40, dtype=torch.long)
+    right[1, 30:] = 0
+    for mask in (right, torch.ones(2, 40, dtype=torch.long).index_fill_(0, torch.tensor([1]), 0)):
+        with pytest.raises(ValueError, match="left padding only"):
+            fe.greedy_generate(model, ids.expand(2, -1), StaticLatentKVCache(EVICTING, model=model), 4,
+                               attention_mask=mask)
+
+
+def test_warm_up_checks_its_artifacts_path_first(tmp_path: Path) -> None:
+    """A folder, or a file in a missing folder, fails before any work; a file torch cannot read is reported and
+    written anew after the warm-up."""
+    model = model_for("llama", EVICTING)
+    for path in (tmp_path, tmp_path / "missing" / "artifacts.bin"):
+        with pytest.raises(ValueError, match="warm_up\\(artifacts=...\\)"):
+            fe.warm_up(model, [300], config=EVICTING, artifacts=path)
+    broken = tmp_path / "artifacts.bin"
+    broken.write_bytes(b"not torch's")
+    with pytest.warns(UserWarning, match="could not load the compiled artifacts"):
+        fe.warm_up(model, [300], config=EVICTING, new_tokens=2, artifacts=broken)
+    assert broken.read_bytes() != b"not torch's"
 
 
 def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:

@@ -100,8 +100,9 @@ class EntropyConfig:
     Decode (paper sec. 4.3, Alg. 4):
         decode_budget: B_d, cache entries kept per KV head after eviction (window included).
         decode_window: N_W, most recent post-RoPE queries kept for scoring.
-        decode_delay: N_D, generated tokens before the first eviction (0: at the first decode step, scored by the
-            prompt's own last ``decode_window`` queries, an eviction at the end of the prefill).
+        decode_delay: N_D, generated tokens before the first eviction (0: at the end of the prompt's forward, each
+            layer right after its own attention over the prompt, scored by the prompt's last ``decode_window``
+            queries: the prompt's full KV is then held for one layer at a time).
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
         decode_span: an entry's (pooled) score also counts for the ``decode_span`` entries after it (each entry scores
             the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that

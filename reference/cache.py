@@ -179,7 +179,8 @@ class LatentCacheOracle:
     """One attention layer's cache under latent eviction, step by step, keeping every query it was handed.
 
     ``step(q, k, v)`` is one forward: the first is the prompt. Before appending, once ``decode_delay`` tokens have
-    been generated, the first step evicts to ``decode_budget`` when more are stored; afterwards, with
+    been generated, the first step evicts to ``decode_budget`` when more are stored (``decode_delay = 0``: at the end
+    of the prompt's forward, once its queries are handed over); afterwards, with
     ``recompress_every = R``, a step that finds ``decode_budget + R`` stored evicts again. The window is the last
     ``decode_window`` queries handed over, the current forward's included when ``hand_over="before"``.
     """
@@ -201,7 +202,8 @@ class LatentCacheOracle:
     def step(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hand_over: str = "before"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of ``q_len`` tokens; returns the stored ``(keys, values)`` the attention reads."""
+        """One forward of ``q_len`` tokens; returns the ``(keys, values)`` its attention reads (the stored ones, before
+        an eviction that ends the forward)."""
         config = self.config
         if hand_over == "before":
             self._hand_over(query)
@@ -212,15 +214,7 @@ class LatentCacheOracle:
                 self._first_check_done = True
             else:
                 due = config.recompress_every is not None and stored >= config.decode_budget + config.recompress_every
-            if due:
-                window = min(config.decode_window, self.queries.shape[2])
-                observed = self.queries.shape[2]
-                query_positions = torch.arange(observed - window, observed)
-                indices, self.keys, self.values, self.positions = evict(
-                    self.keys, self.values, self.positions, self.queries[:, :, observed - window :],
-                    query_positions, config,
-                )
-                self.evictions.append(indices)
+            self._evict_if(due)
         batch, kv_heads, q_len = key.shape[:3]
         new_positions = torch.arange(self.seen, self.seen + q_len).expand(batch, kv_heads, q_len)
         if self.keys is None:
@@ -233,4 +227,21 @@ class LatentCacheOracle:
         self.seen += q_len
         if hand_over == "after":
             self._hand_over(query)
-        return self.keys, self.values
+        read = self.keys, self.values   # what this forward's attention reads
+        if config.decode_delay == 0 and not self._first_check_done:   # the end of the prompt's forward
+            self._first_check_done = True
+            self._evict_if(self.keys.shape[2] > config.decode_budget)
+        return read
+
+    def _evict_if(self, due: bool) -> None:
+        """Keep ``decode_budget`` entries per head by window attention when ``due``."""
+        if not due:
+            return
+        config = self.config
+        window = min(config.decode_window, self.queries.shape[2])
+        observed = self.queries.shape[2]
+        query_positions = torch.arange(observed - window, observed)
+        indices, self.keys, self.values, self.positions = evict(
+            self.keys, self.values, self.positions, self.queries[:, :, observed - window :], query_positions, config,
+        )
+        self.evictions.append(indices)

@@ -248,7 +248,8 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
             cache.update(k, v, layer_idx)
             if step:
                 cache.attend(q, layer_idx)
-            expected.append((*oracle.step(q, k, v, "after"), oracle.positions))
+            oracle.step(q, k, v, "after")
+            expected.append((oracle.keys, oracle.values, oracle.positions))
         for layer_idx, (want_keys, want_values, want_positions) in enumerate(expected):
             keys, values = cache.stored_entries(layer_idx)
             assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
@@ -744,3 +745,37 @@ def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.undo()
     assert cache.is_static and cache.evictions >= 3
     assert reads == []
+
+
+@pytest.mark.parametrize("cache_class", [LatentKVCache, StaticLatentKVCache])
+def test_no_delay_evicts_each_layer_at_the_end_of_its_prompt_forward(cache_class: type) -> None:
+    """``decode_delay=0``: each layer keeps ``decode_budget`` entries as soon as its attention over the prompt has run,
+    so a prompt's full KV is held for one layer at a time (measured after each decoder layer's forward, with the
+    cache's own byte count); the tokens are the oracle's decisions' (the property tests), and a left-padded batch
+    keeps its rows' solo tokens."""
+    config = EVICTING.replace(decode_delay=0)
+    model, ids = model_for("llama", config), prompt(300)
+    cache = cache_class(config, model=model)
+    held: list[list[int]] = []
+    full = cache_class(EVICTING.replace(decode_delay=0, decode_budget=512), model=model)
+    handles = [layer.register_forward_hook(lambda *_: held.append([cache.stored_length(i) for i in range(3)]))
+               for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, **{cache_keyword(model): cache}, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    budget = config.decode_budget
+    assert held == [[budget, 0, 0], [budget, budget, 0], [budget, budget, budget]]
+    with torch.no_grad():
+        model(ids, **{cache_keyword(model): full}, use_cache=True)
+    assert cache.nbytes() < full.nbytes() / 2
+    long, short = prompt(300, seed=2), prompt(260, seed=3)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], dim=1)])
+    mask = (batch != 0).long()
+    mask[0] = 1
+    got = greedy(model, batch, cache_class(config, model=model), 24, attention_mask=mask, disable_compile=True)
+    for row, solo in enumerate((long, short)):
+        assert torch.equal(got[row], greedy(model, solo, cache_class(config, model=model), 24,
+                                            disable_compile=True)[0])

@@ -30,8 +30,8 @@ class LatentPolicy(CachePolicy):
     paper = "EntropyInfer (From Rigid to Dynamic, 2026), sec. 4.3, Alg. 4"
     keeps = ("query window's own entries + top window-attention entries (pooled, spread to the entries after them), "
              "budget per KV head")
-    decides = ("after `delay` generated tokens (window includes them), then whenever `budget + recompress_every` are "
-               "stored (None: once, as the paper)")
+    decides = ("after `delay` generated tokens (window includes them; `delay` 0: at the end of each layer's prompt "
+               "forward), then whenever `budget + recompress_every` are stored (None: once, as the paper)")
 
     config: EntropyConfig = field(default_factory=EntropyConfig)
 
@@ -69,6 +69,12 @@ class LatentPolicy(CachePolicy):
             return self.budget if layer.stored > self.budget else None
         every = self.recompress_every
         return self.budget if every is not None and layer.stored >= self.budget + every else None
+
+    def when_settled(self, layer: LayerView) -> int | None:
+        """With no delay, the first eviction ends the prompt's forward, layer by layer (each layer's full KV is held
+        only until its own attention over the prompt has run), scored by the prompt's last ``window`` queries."""
+        prompt_only = layer.generated == 0 and layer.previous_generated is None and layer.evictions == 0
+        return self.budget if self.delay == 0 and prompt_only and layer.stored > self.budget else None
 
     def scores(self, layer: LayerView) -> torch.Tensor:
         return window_scores(layer, self.score, self.pool, self.span, self.group)

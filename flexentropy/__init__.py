@@ -37,6 +37,7 @@ _LAZY = {
     "warm_up": "flexentropy.decoding",
     "greedy_decode": "flexentropy.decoding",
     "greedy_generate": "flexentropy.decoding",
+    "generate_batch": "flexentropy.decoding",
     "compile_step": "flexentropy.decoding",
     "fuse_projections": "flexentropy.integrations.fusion",
 }
@@ -67,6 +68,7 @@ __all__ = [
     "enable",
     "enabled",
     "fuse_projections",
+    "generate_batch",
     "greedy_decode",
     "greedy_generate",
     "make_cache",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,112 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
             position = position + 1
             out.append(tokens)
     return torch.cat(out, dim=1)
+
+
+def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: int, *, rows: int = 8,
+                   config: Any = None, cache: Any = None, eos_token_id: int | None = None, compile_config: Any = None,
+                   compiled: bool | None = None) -> list[torch.Tensor]:
+    """Greedy decoding of many prompts, up to ``rows`` at a time in one batched step.
+
+    Each prompt is prefilled on its own (the model's sparse prefill, batch 1) into a one-row `LatentKVCache` whose
+    first eviction ends the prompt's forward, layer by layer (``decode_delay=0``, whatever ``config`` says: a
+    prompt's full KV is held for one layer at a time), then put in a free row of one batched `StaticLatentKVCache`
+    (`StaticLatentKVCache.insert`). All rows decode together, each at its own position and on its own count of
+    entries (its recompressions are its own), through the model's `StepDriver` (on CUDA, one recorded step for all
+    rows). A row ends at ``eos_token_id`` (kept) or after ``max_new_tokens`` tokens and takes the next waiting
+    prompt. Each prompt gets the tokens of its run alone through `greedy_generate` with the same config.
+
+    The host reads each step's tokens to find the rows that end (one synchronisation per step, for all rows).
+
+    Args:
+        model: an HF causal LM switched by `flexentropy.enable`.
+        prompts: int64 token ids, ``[N_i]`` each (any lengths).
+        max_new_tokens: most tokens per prompt, its prompt's greedy next token included.
+        rows: batch rows decoded together.
+        config: the `EntropyConfig` of the caches (default: the model's, as `enable` stored it); its
+            ``decode_delay`` is taken as 0.
+        cache: the batched `StaticLatentKVCache` to serve with (default: a new one); reusing one keeps its buffers
+            and recorded step across calls.
+        eos_token_id: a row's stop token, or None.
+        compile_config, compiled: as for `greedy_generate`.
+
+    Returns:
+        int64 ``[T_i]`` per prompt, in the order of ``prompts``.
+    """
+    from flexentropy.caches.keywords import cache_keyword
+    from flexentropy.caches.latent_kv import LatentKVCache
+    from flexentropy.caches.static_latent import StaticLatentKVCache
+    from flexentropy.integrations.hf import CONFIG_ATTR, parse_settings
+    from flexentropy.integrations.step_driver import step_driver
+
+    check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
+    check_int("generate_batch", "rows", rows, 1)
+    for index, ids in enumerate(prompts):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.numel() == 0:
+            got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"generate_batch expects each prompt as int64 token ids [N >= 1]; prompt {index} is {got}")
+    if cache is not None and not isinstance(cache, StaticLatentKVCache):
+        raise TypeError(f"generate_batch serves with a StaticLatentKVCache, got {type(cache).__name__}")
+    if config is None:
+        config = cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+    config = config.replace(decode_delay=0)
+    cache = StaticLatentKVCache(config, model=model) if cache is None else cache
+    if cache.config.decode_delay != 0 or cache.config != config:
+        raise ValueError("generate_batch: the cache's EntropyConfig must be the one it serves with, decode_delay=0")
+    device = model.device
+    if compile_config is None:
+        compile_config = getattr(model.generation_config, "compile_config", None)
+    if compiled is None:
+        compiled = device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
+    driver = step_driver(model, compile_config if compiled else None, device, compiled=compiled)
+    single, keyword = LatentKVCache(config, model=model), cache_keyword(model)
+    rows = min(rows, len(prompts))
+    waiting = deque(enumerate(prompts))
+    outputs: list[torch.Tensor | None] = [None] * len(prompts)
+    active: dict[int, tuple[int, list[int]]] = {}
+    tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+
+    opened = False
+
+    def admit(row: int) -> None:
+        """Prefill waiting prompts until one needs decoding, and put it in ``row`` (else the row idles)."""
+        nonlocal opened
+        while waiting:
+            index, ids = waiting.popleft()
+            single.reset()
+            logits = model(input_ids=ids.to(device)[None], **{keyword: single}, use_cache=True,
+                           logits_to_keep=1).logits
+            first = logits[:, -1:].argmax(dim=-1)
+            token = int(first)
+            if max_new_tokens == 1 or token == eos_token_id:
+                outputs[index] = first.view(1).cpu()
+                continue
+            if not opened:
+                cache.open(rows, single)
+                opened = True
+            cache.insert(row, single)
+            tokens[row:row + 1] = first
+            positions[row:row + 1] = ids.numel()
+            active[row] = (index, [token])
+            return
+        if opened:
+            cache.free(row)
+
+    with torch.no_grad():   # as generate: inference tensors would fail the compiled graphs' guards
+        for row in range(rows):
+            admit(row)
+        while active:
+            tokens = driver(tokens, positions, cache).logits[:, -1:].argmax(dim=-1)
+            positions = positions + 1
+            read = tokens.view(-1).tolist()
+            for row, (index, got) in list(active.items()):
+                got.append(read[row])
+                if len(got) == max_new_tokens or read[row] == eos_token_id:
+                    outputs[index] = torch.tensor(got)
+                    del active[row]
+                    admit(row)
+    return outputs
 
 
 def load_artifacts(path: Path) -> None:

@@ -779,3 +779,38 @@ def test_no_delay_evicts_each_layer_at_the_end_of_its_prompt_forward(cache_class
     for row, solo in enumerate((long, short)):
         assert torch.equal(got[row], greedy(model, solo, cache_class(config, model=model), 24,
                                             disable_compile=True)[0])
+
+
+@pytest.mark.parametrize("config", [COVERING, EVICTING], ids=["covering", "evicting"])
+def test_a_batch_of_prompts_gives_each_its_own_tokens(config: fe.EntropyConfig) -> None:
+    """`fe.generate_batch`: five prompts of different lengths through two rows (prefilled one by one, each evicted at
+    the end of its prompt, rows freed and taken again) give each prompt the tokens of its run alone through
+    `greedy_generate`; at an evicting budget too (every row recompresses on its own count); a stop token ends a row
+    early, the token kept."""
+    model = model_for("llama", config)
+    alone_config = config.replace(decode_delay=0)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333, 301, 280))]
+    got = fe.generate_batch(model, prompts, 30, rows=2, config=config)
+    for ids, tokens in zip(prompts, got, strict=True):
+        alone = fe.greedy_generate(model, ids[None], StaticLatentKVCache(alone_config, model=model), 30)[0]
+        assert torch.equal(tokens, alone)
+    stop = int(got[1][5])
+    stopped = fe.generate_batch(model, prompts[:3], 30, rows=2, config=config, eos_token_id=stop)
+    cut = (got[1] == stop).nonzero()[0, 0] + 1
+    assert torch.equal(stopped[1], got[1][:cut])
+    with pytest.raises(ValueError, match="prompt 1 is torch.int32"):
+        fe.generate_batch(model, [prompts[0], prompts[1].int()], 4, config=config)
+
+
+@pytest.mark.slow
+def test_a_batch_of_prompts_compiles_one_step_with_the_eager_tokens() -> None:
+    """`fe.generate_batch` through the compiled step (inductor on the CPU): one graph, no break, the eager tokens."""
+    model = model_for("llama", EVICTING)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compile_config=cpu_compile("inductor"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    eager = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compiled=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))

@@ -78,43 +78,48 @@ class StaticBuffers:
         """Bytes the buffers hold (their whole capacity)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.positions, *self.real))
 
-    def stacked(self, name: str, layers: range, stored: int) -> torch.Tensor:
-        """The first ``stored`` entries of buffer ``name`` of ``layers``, stacked along the batch dim: ``[l * B,
-        ...]`` (a view for one layer, a copy for several)."""
-        parts = [buffer[:, :, :stored] for buffer in getattr(self, name)[layers.start:layers.stop]]
+    def stacked(self, name: str, layers: range, stored: int, rows: slice | torch.Tensor = slice(None)
+                ) -> torch.Tensor:
+        """The first ``stored`` entries of buffer ``name`` of ``layers`` and batch rows ``rows``, stacked along the
+        batch dim: ``[l * b, ...]`` (a view for one layer and a slice of rows, a copy otherwise)."""
+        parts = [buffer[rows, :, :stored] for buffer in getattr(self, name)[layers.start:layers.stop]]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def store(self, layers: range, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              real: torch.Tensor | None) -> None:
-        """Write entries to the front of layers ``layers``: ``keys [l * B, Hkv, S, D]``, ``values``, ``positions
-        [l * B, Hkv, S]`` and ``real`` (None: every entry real), stacked along the batch dim as `stacked` gives
-        them; the slots after them are left as they are."""
+              real: torch.Tensor | None, rows: slice | torch.Tensor = slice(None)) -> None:
+        """Write entries to the front of layers ``layers``, batch rows ``rows`` (a slice, or int64 indices):
+        ``keys [l * b, Hkv, S, D]``, ``values``, ``positions [l * b, Hkv, S]`` and ``real`` (None: every entry
+        real), stacked along the batch dim as `stacked` gives them; the slots after them are left as they are."""
         stored, count = keys.shape[-2], len(layers)
         if stored >= self.capacity:
             raise RuntimeError(f"{stored} entries do not leave a free slot in static buffers of {self.capacity}")
         chosen = slice(layers.start, layers.stop)
-        for name, entries in (("keys", keys), ("values", values), ("positions", positions)):
-            torch._foreach_copy_([buffer[:, :, :stored] for buffer in getattr(self, name)[chosen]],
-                                 list(entries.chunk(count)))
-        front = [buffer[:, :, :stored] for buffer in self.real[chosen]]
-        if real is None:
-            for buffer in front:   # fill_, not a copy of a host value: nothing waits on the device
-                buffer.fill_(True)
-        else:
-            torch._foreach_copy_(front, list(real.chunk(count)))
+        entries = {"keys": keys, "values": values, "positions": positions,
+                   "real": positions.new_ones(positions.shape, dtype=torch.bool) if real is None else real}
+        for name, tensor in entries.items():
+            fronts = [buffer[:, :, :stored] for buffer in getattr(self, name)[chosen]]
+            if isinstance(rows, slice):
+                torch._foreach_copy_([front[rows] for front in fronts], list(tensor.chunk(count)))
+            else:
+                for front, part in zip(fronts, tensor.chunk(count), strict=True):
+                    front.index_copy_(0, rows, part)
 
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
               position: torch.Tensor) -> None:
-        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (0-dim), at slot ``slot`` (int64
-        ``[1]``) of layer ``layer_idx``, in place."""
-        self.keys[layer_idx].index_copy_(2, slot, key.to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].index_copy_(2, slot, value.to(self.values[layer_idx].dtype))
-        self.positions[layer_idx].index_fill_(2, slot, position)
-        self.real[layer_idx].index_fill_(2, slot, True)
+        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (int64 ``[B]``), at each row's
+        slot ``slot`` (int64 ``[B]``) of layer ``layer_idx``, in place."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        batch, heads = key.shape[:2]
+        at = slot.view(batch, 1, 1)
+        keys.scatter_(2, at[..., None].expand(batch, heads, 1, keys.shape[-1]), key.to(keys.dtype))
+        values.scatter_(2, at[..., None].expand(batch, heads, 1, values.shape[-1]), value.to(values.dtype))
+        self.positions[layer_idx].scatter_(2, at.expand(batch, heads, 1), position.view(batch, 1, 1).expand(
+            batch, heads, 1))
+        self.real[layer_idx].scatter_(2, at.expand(batch, heads, 1), True)
 
     def attend(self, layer_idx: int, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
                scale: float | None) -> torch.Tensor:
-        """``[B, Hq, 1, Dv]``: one step's attention over layer ``layer_idx``'s slots up to ``slot`` (its own
+        """``[B, Hq, 1, Dv]``: one step's attention over layer ``layer_idx``'s slots up to each row's ``slot`` (its own
         included): the first ``lengths`` of each row with flash-attn-4's kernel (split into up to `SPLITS` parts of at
         least `SPLIT_ENTRIES`), else SDPA under the slots' validity (left padding excluded)."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
@@ -122,7 +127,7 @@ class StaticBuffers:
             splits = split_count(keys.shape[0], self.capacity, min(SPLITS, -(-self.capacity // SPLIT_ENTRIES)))
             return flash_decode(query, keys, values, lengths, scale, splits=splits)
         slots = torch.arange(self.capacity, device=keys.device)
-        valid = (slots <= slot) & self.real[layer_idx]
+        valid = (slots <= slot[:, None, None]) & self.real[layer_idx]
         return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
 
 
@@ -157,20 +162,21 @@ class StackedView:
         stage: the buffers holding the entries.
         layers: the layers, a range.
         progress: the counters (``stored`` entries per KV head are live).
-        window: the query window of those layers ``[l * B, Hq, W', D]``.
-        padding: left-padding tokens of each row ``[B]``, or None.
+        window: the query window of those layers and rows ``[l * b, Hq, W', D]``.
+        padding: left-padding tokens of each of those rows ``[b]``, or None.
         owner: the cache's name (messages).
+        rows: the batch rows (all: ``slice(None)``; else int64 indices).
     """
 
     layer_idx = 0
     num_layers = None
 
     def __init__(self, stage: StaticBuffers, layers: range, progress: Progress, window: torch.Tensor,
-                 padding: torch.Tensor | None, owner: str) -> None:
+                 padding: torch.Tensor | None, owner: str, rows: slice | torch.Tensor = slice(None)) -> None:
         stored = progress.stored
-        self.keys = stage.stacked("keys", layers, stored)
-        self.values = stage.stacked("values", layers, stored)
-        self._positions = stage.stacked("positions", layers, stored)
+        self.keys = stage.stacked("keys", layers, stored, rows)
+        self.values = stage.stacked("values", layers, stored, rows)
+        self._positions = stage.stacked("positions", layers, stored, rows)
         self.window = window
         self.padding = None if padding is None else padding.repeat(len(layers))
         self.progress, self.owner = progress, owner

@@ -123,7 +123,8 @@ class StaticLatentKVCache(LatentKVCache):
 
     def _clear_static(self) -> None:
         self.stage: StaticBuffers | None = None
-        self.progress = Progress()
+        self.groups: list[tuple[Progress, slice | torch.Tensor]] = []
+        self._rows: list[Progress] = []
         self.padding: torch.Tensor | None = None
         self._pending = 0   # tokens of the step prepared and not yet run (`get_seq_length` does not count them)
 
@@ -151,6 +152,20 @@ class StaticLatentKVCache(LatentKVCache):
         """Decisions that evicted so far (the first eviction, then the recompressions)."""
         return self.progress.evictions if self.stage is not None else self.layers[0].evictions
 
+    @property
+    def progress(self) -> Progress:
+        """The static phase's counters, when every row shares them (one request, or a left-padded batch of
+        requests taken together); rows served one by one (`insert`) have their own."""
+        if len(self.groups) != 1 or not isinstance(self.groups[0][1], slice):
+            raise ValueError(f"the rows of this {type(self).__name__} progress one by one (insert): no one count "
+                             f"holds for all of them")
+        return self.groups[0][0]
+
+    def _share(self, progress: Progress) -> None:
+        """Every row counted by ``progress`` (one request, or a batch taken together)."""
+        self._rows = [progress] * self.window[0].shape[0]
+        self.groups = [(progress, slice(None))]
+
     # -- the host's part of a step ---------------------------------------------------------------------------------
     def prepare(self, q_len: int) -> None:
         """The host's work before a forward of ``q_len`` tokens (module docstring): nothing for a prompt or a step on
@@ -177,11 +192,18 @@ class StaticLatentKVCache(LatentKVCache):
             self._leave(q_len)
             return
         else:
-            target = self.policy.before_append(self.progress, 1)
-            leaving_prompt = self.stage is self.prompt and self.progress.generated >= self.config.decode_delay
-            if leaving_prompt or target is not None:
-                self._evict(target)
-        self.progress.advance(q_len)
+            for progress, rows in self.groups:
+                if progress.prompt_length is None:   # idle rows (`free`): their slot starts over before the end
+                    if progress.stored + 1 >= self.capacity:
+                        progress.stored = 0
+                        self._set_counters(progress, rows)
+                    continue
+                target = self.policy.before_append(progress, 1)
+                leaving_prompt = self.stage is self.prompt and progress.generated >= self.config.decode_delay
+                if leaving_prompt or target is not None:
+                    self._evict(target, progress, rows)
+        for progress, _ in self.groups:
+            progress.advance(q_len)
         self._pending = q_len
 
     def end_step(self) -> None:
@@ -222,36 +244,41 @@ class StaticLatentKVCache(LatentKVCache):
                 or self.window[0].device != first.window.device:
             device = first.window.device
             self.window = [static_buffer(shape, first.window.dtype, device) for _ in self.layers]
-            self.counters = {"slot": static_buffer((1,), torch.long, device),
+            self.counters = {"slot": static_buffer((batch,), torch.long, device),
                              "lengths": static_buffer((batch,), torch.int32, device),
-                             "position": static_buffer((), torch.long, device)}
+                             "position": static_buffer((batch,), torch.long, device)}
+            self.row_index = torch.arange(batch, device=device)
         held = first.window.shape[2]
         torch._foreach_copy_([window[:, :, size - held:] for window in self.window],
                              [layer.window for layer in self.layers])
-        self.progress = Progress(seen=first.seen, observed=first.observed, stored=first.stored,
-                                 prompt_length=first.prompt_length, previous_generated=first.previous_generated,
-                                 evictions=first.evictions)
+        self._share(layer_progress(first))
         self.padding = first.padding
 
     def _enter(self, stage: StaticBuffers) -> None:
         """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
         self.stage = stage
         self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys[0], padded=self.padding is not None)
-        self._set_counters()
+        self._set_counters(self.progress, slice(None))
         for layer in self.layers:
             layer.reset()
 
-    def _set_counters(self) -> None:
-        stored = self.progress.stored
-        self.counters["slot"].fill_(stored)
-        self.counters["lengths"].fill_(stored + 1)
-        self.counters["position"].fill_(self.progress.seen)
+    def _set_counters(self, progress: Progress, rows: slice | torch.Tensor) -> None:
+        """The device counters of batch rows ``rows`` (all: ``slice(None)``) at ``progress``'s count."""
+        values = {"slot": progress.stored, "lengths": progress.stored + 1, "position": progress.seen}
+        for name, value in values.items():
+            counter = self.counters[name]
+            if isinstance(rows, slice):
+                counter[rows].fill_(value)
+            else:
+                counter.index_fill_(0, rows, value)
 
-    def _real(self, positions: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """Which of the entries at ``positions [rows * B, Hkv, S]`` are real tokens (None: no padding)."""
+    def _real(self, positions: torch.Tensor, layers: int, rows: slice | torch.Tensor = slice(None)
+              ) -> torch.Tensor | None:
+        """Which of the entries at ``positions [layers * b, Hkv, S]`` (batch rows ``rows`` of ``layers`` layers) are
+        real tokens (None: no padding)."""
         if self.padding is None:
             return None
-        return positions - self.padding.repeat(rows)[:, None, None] >= 0
+        return positions - self.padding[rows].repeat(layers)[:, None, None] >= 0
 
     def _enter_prompt(self) -> None:
         """The first step of a captured phase 1: the layers' entries into the prompt buffers."""
@@ -275,34 +302,38 @@ class StaticLatentKVCache(LatentKVCache):
                 keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
             self.main.store(range(index, index + 1), keys, values, positions, self._real(positions, 1))
             layer.reset()
+        progress = self.progress
         if target is not None:
-            self.progress.stored = min(target, self.progress.stored)
-            self.progress.evictions += 1
+            progress.stored = min(target, progress.stored)
+            progress.evictions += 1
         self._enter(self.main)
 
-    def _evict(self, target: int | None) -> None:
-        """A decision in a static stage: every layer keeps ``target`` entries per KV head (all of them when None, at
-        the end of a captured phase 1 whose entries fit the buffers), from the stage into the buffers."""
-        source, progress = self.stage, self.progress
+    def _evict(self, target: int | None, progress: Progress, rows: slice | torch.Tensor) -> None:
+        """A decision in a static stage for batch rows ``rows`` (counted by ``progress``): every layer keeps
+        ``target`` entries per KV head (all of them when None, at the end of a captured phase 1 whose entries fit
+        the buffers), from the stage into the buffers."""
+        source = self.stage
         if source is self.prompt:
             self.main.allocate(len(self.layers), source.keys[0], source.values[0])
         layers = len(self.layers)
         held = min(self.config.decode_window, progress.observed)
-        batch, heads, size = self.window[0].shape[:3]
+        heads, size = self.window[0].shape[1:3]
+        batch = len(self.row_index[rows])
         chunk = max(1, min(layers, SCORE_ELEMENTS // (batch * heads * held * max(progress.stored, 1))))
+        padding = None if self.padding is None else self.padding[rows]
         for start in range(0, layers, chunk):
             part = range(start, min(start + chunk, layers))
-            window = torch.cat([self.window[index][:, :, size - held:] for index in part])
-            view = StackedView(source, part, progress, window, self.padding, type(self).__name__)
+            window = torch.cat([self.window[index][rows, :, size - held:] for index in part])
+            view = StackedView(source, part, progress, window, padding, type(self).__name__, rows)
             keys, values, positions = view.keys, view.values, view.positions()
             if target is not None:
                 keys, values, positions = gather_kv(keys, values, self.policy.select(view, target, 1), positions)
-            self.main.store(part, keys, values, positions, self._real(positions, len(part)))
+            self.main.store(part, keys, values, positions, self._real(positions, len(part), rows), rows)
         if target is not None:
             progress.stored = min(target, progress.stored)
             progress.evictions += 1
         if source is self.main:
-            self._set_counters()
+            self._set_counters(progress, rows)
         else:
             self._enter(self.main)
 
@@ -330,6 +361,80 @@ class StaticLatentKVCache(LatentKVCache):
             target = self.policy.before_append(layer, q_len)
             if target is not None:
                 layer.decide(target, q_len)
+
+    # -- rows served one by one ----------------------------------------------------------------------------------------
+    def open(self, rows: int, source: LatentKVCache) -> None:
+        """Serve ``rows`` requests at once, each entered on its own (`insert`): buffers for ``rows`` batch rows shaped
+        like ``source``'s (a one-row cache after its prompt), every row idle; the rows then decode together, each
+        deciding on its own count."""
+        check_int(type(self).__name__, "rows", rows, 1)
+        first = source.layers[0]
+        if first.window is None or first.keys.shape[0] != 1:
+            raise ValueError(f"open needs a one-row cache that holds a prompt and its queries, got "
+                             f"{'no queries' if first.window is None else f'{first.keys.shape[0]} rows'}")
+        keys = first.keys.expand(rows, -1, -1, -1)
+        self.reset()
+        self.main.allocate(len(self.layers), keys, first.values.expand(rows, -1, -1, -1))
+        shape = (rows, first.window.shape[1], self.config.decode_window, first.window.shape[-1])
+        if not self.window or self.window[0].shape != shape or self.window[0].dtype != first.window.dtype \
+                or self.window[0].device != first.window.device:
+            device = first.window.device
+            self.window = [static_buffer(shape, first.window.dtype, device) for _ in self.layers]
+            self.counters = {name: static_buffer((rows,), dtype, device) for name, dtype in
+                             (("slot", torch.long), ("lengths", torch.int32), ("position", torch.long))}
+            self.row_index = torch.arange(rows, device=device)
+        self._rows = [Progress()] * rows
+        self._regroup()
+        self.stage = self.main
+        self.flash = flash_decode_usable(self.config.decode_kernel, self.main.keys[0], padded=False)
+        self._set_counters(self._rows[0], slice(None))
+
+    def insert(self, row: int, source: LatentKVCache) -> None:
+        """Put the request that ``source`` holds (a one-row latent cache after its prompt, evicted to the budget:
+        ``decode_delay=0``) in batch row ``row`` of an `open` cache; the row's next step is that request's."""
+        self._check_row(row)
+        first = source.layers[0]
+        if first.stored >= self.capacity:
+            raise ValueError(f"insert: the request holds {first.stored} entries per KV head, more than the buffers' "
+                             f"{self.capacity - 1}: evict it first (decode_delay=0 evicts at the end of the prompt)")
+        index = self.row_index[row:row + 1]
+        held, size = first.window.shape[2], self.config.decode_window
+        for layer_idx, layer in enumerate(source.layers):
+            self.main.store(range(layer_idx, layer_idx + 1), layer.keys, layer.values, layer.positions(), None, index)
+            self.window[layer_idx][row:row + 1, :, size - held:].copy_(layer.window)
+        self._rows[row] = layer_progress(first)
+        self._regroup()
+        self._set_counters(self._rows[row], index)
+
+    def free(self, row: int) -> None:
+        """Batch row ``row`` of an `open` cache is idle from its next step (its entries are left to be overwritten)."""
+        self._check_row(row)
+        idle = next((progress for progress in self._rows if progress.prompt_length is None), Progress())
+        self._rows[row] = idle
+        self._regroup()
+        self._set_counters(idle, self.row_index[row:row + 1])
+
+    def _check_row(self, row: int) -> None:
+        if self.stage is not self.main or not self._rows:
+            raise RuntimeError(f"{type(self).__name__}: open(rows, source) before insert or free")
+        if not 0 <= row < len(self._rows):
+            raise ValueError(f"row must be in [0, {len(self._rows)}), got {row}")
+
+    def _regroup(self) -> None:
+        """`groups`: the distinct counts of the rows, each with the batch rows it counts."""
+        rows: dict[int, list[int]] = {}
+        for index, progress in enumerate(self._rows):
+            rows.setdefault(id(progress), []).append(index)
+        by_id = {id(progress): progress for progress in self._rows}
+
+        def index(members: list[int]) -> slice | torch.Tensor:   # a view where the rows are consecutive
+            if len(members) == len(self._rows):
+                return slice(None)
+            if members[-1] - members[0] == len(members) - 1:
+                return self.row_index[members[0]:members[-1] + 1]
+            return self.row_index[members]
+
+        self.groups = [(by_id[key], index(members)) for key, members in rows.items()]
 
     # -- the step, static where it can be --------------------------------------------------------------------------
     def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
@@ -390,7 +495,7 @@ class StaticLatentKVCache(LatentKVCache):
             return self.capacity if held else 0
         if self.stage is None:
             return super().stored_length(layer_idx)
-        return self.progress.stored - self._pending
+        return max(progress.stored for progress, _ in self.groups) - self._pending
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Logical length (the next token's position); under compilation in a static stage the 0-dim tensor of the
@@ -398,8 +503,8 @@ class StaticLatentKVCache(LatentKVCache):
         if self.stage is None:
             return self.layers[layer_idx].get_seq_length()
         if torch.compiler.is_compiling():
-            return self.counters["position"]
-        return self.progress.seen - self._pending
+            return self.counters["position"][0]
+        return max(progress.seen for progress, _ in self.groups) - self._pending
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """A prompt: its own size; any later forward ``(C, 0)``, a constant (the steps ignore HF's mask): one mask
@@ -440,6 +545,12 @@ class StaticLatentKVCache(LatentKVCache):
     def restore(self, saved: list[torch.Tensor]) -> None:
         """Put back a `snapshot`."""
         torch._foreach_copy_([*self.window, *self.counters.values()], saved)
+
+
+def layer_progress(layer: PolicyLayer) -> Progress:
+    """The counters of a `PolicyLayer` (the dynamic path's), as the static phase counts them."""
+    return Progress(seen=layer.seen, observed=layer.observed, stored=layer.stored, prompt_length=layer.prompt_length,
+                    previous_generated=layer.previous_generated, evictions=layer.evictions)
 
 
 def layer_attention(layer: PolicyLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -1,0 +1,254 @@
+"""More and longer requests than dense fits on one GPU (issue 47): requests per minute at 128k, and prompts of 512k and
+1M tokens, on the Llama-3.1-8B shape (random bf16 weights, `fe.fuse_projections`).
+
+    source profiling/h200/setup.sh
+    python profiling/capacity.py --parts batch --out docs/results/capacity/capacity.json
+    python profiling/capacity.py --parts long --contexts 524288 1048576 --out docs/results/capacity/capacity.json
+
+Parts (``--parts``; every row is written to ``--out`` as it completes):
+
+* ``batch``: ``--requests`` prompts of ``--context`` tokens, ``--new-tokens`` each, no stop token.
+  - ``dense``: the largest batch whose KV fits beside the weights and one prompt's prefill (``--dense-batch``, or
+    measured: `dense_rows`): each prompt prefilled alone on cuDNN SDPA, its KV copied into its row of one
+    transformers ``StaticCache``, then all rows decoded together, the step captured whole in one CUDA graph with its
+    attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense decode); waves of that many
+    requests until all are done.
+  - ``flexentropy``: `fe.generate_batch` with ``--rows`` rows (prefill alone, evicted at the end of each prompt,
+    decoded together in one recorded step; a row that ends takes the next prompt).
+  Per row: requests per minute, generated tokens per second, the batch, peak memory.
+* ``long``: one prompt of each ``--contexts`` length: TTFT and peak memory of flexentropy's prefill into a
+  `LatentKVCache` with ``decode_delay=0`` (each layer's full KV held only until its own attention has run), and of
+  dense (cuDNN SDPA, `DynamicCache`) where its KV and activations fit, else the memory arithmetic that says it does
+  not.
+
+``--device cpu --tiny`` checks the harness on a small model; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import environment, speed_config, sync, write_json  # noqa: E402
+from decode_timeline import DENSE, dense_attention, no_mask  # noqa: E402
+from end_to_end import build_model  # noqa: E402
+
+import flexentropy as fe  # noqa: E402
+from flexentropy.caches.keywords import cache_keyword  # noqa: E402
+
+CUDNN = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+
+
+def dense_rows(model: Any, prompt: torch.Tensor, new: int, device: torch.device) -> int:
+    """The most rows of dense KV (``prompt`` and ``new`` tokens each) that fit: a one-row wave is run first, and
+    its peak above the memory held before it (its row, the prefill's own cache and activations) is what the first
+    row costs; each further row costs its KV."""
+    per_row = (prompt.numel() + new) * kv_bytes_per_token(model)
+    if device.type != "cuda":
+        return 2
+    reset_peak(device)
+    held, free = torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0]
+    dense_wave(model, [prompt], 4, device)
+    first = torch.cuda.max_memory_allocated(device) - held
+    return max(1, 1 + int((free - first) // per_row))
+
+
+def prompts_of(model: Any, count: int, length: int, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(3)
+    return [torch.randint(100, model.config.vocab_size - 1, (length,), device=device, generator=gen)
+            for _ in range(count)]
+
+
+def dense_wave(model: Any, prompts: list[torch.Tensor], new: int, device: torch.device) -> float:
+    """Seconds for one wave of dense requests: each prompt prefilled alone into its row of a ``StaticCache``, then
+    all rows decoded together by a captured step (module docstring)."""
+    from transformers import StaticCache
+
+    rows, n, keyword = len(prompts), prompts[0].numel(), cache_keyword(model)
+    cache = StaticCache(config=model.config, max_cache_len=n + new)
+    first = torch.empty(rows, 1, dtype=torch.long, device=device)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad(), sdpa_kernel(CUDNN):
+        for row, ids in enumerate(prompts):   # one prompt's prefill at a time, into its row
+            alone = StaticCache(config=model.config, max_cache_len=n + new)
+            logits = model(input_ids=ids[None], **{keyword: alone}, use_cache=True, logits_to_keep=1).logits
+            first[row] = logits[:, -1:].argmax(dim=-1)[0]
+            for layer, source in zip(cache.layers, alone.layers, strict=True):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(source.keys.expand(rows, -1, -1, -1),
+                                              source.values.expand(rows, -1, -1, -1))
+                layer.keys[row].copy_(source.keys[0])
+                layer.values[row].copy_(source.values[0])
+            del alone
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(n)
+        token, position = first.clone(), torch.full_like(first, n)
+
+        def step() -> None:
+            out = model(input_ids=token, position_ids=position, **{keyword: cache}, use_cache=True,
+                        logits_to_keep=1).logits
+            token.copy_(out[:, -1:].argmax(dim=-1))
+            position.add_(1)
+
+        run = step
+        if device.type == "cuda":   # recorded after the prefills, at the wave's first step (inside the timing)
+            saved = [layer.cumulative_length.clone() for layer in cache.layers]
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            for layer, length in zip(cache.layers, saved, strict=True):
+                layer.cumulative_length.copy_(length)
+            token.copy_(first)
+            position.fill_(n)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+        for _ in range(new - 1):
+            run()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
+    n, new = args.context, args.new_tokens
+    prompts = prompts_of(model, args.requests, n, device)
+    fe.disable(model)
+    previous = model.config._attn_implementation
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(DENSE, dense_attention)
+    AttentionMaskInterface.register(DENSE, no_mask)
+    model.set_attn_implementation(DENSE)
+    rows = args.dense_batch or dense_rows(model, prompts[0], new, device)   # also warms cuDNN's plans
+    reset_peak(device)
+    seconds = sum(dense_wave(model, prompts[i:i + rows], new, device) for i in range(0, len(prompts), rows))
+    model.set_attn_implementation(previous)
+    yield {"part": "batch", "variant": "dense", "n": n, "new_tokens": new, "requests": len(prompts),
+           "batch": rows, "seconds": seconds, "requests_per_minute": len(prompts) / seconds * 60,
+           "tokens_per_s": len(prompts) * new / seconds, "peak_gib": peak_gib(device)}
+    cfg = speed_config(base_budget=args.prefill_budget)
+    fe.enable(model, cfg)
+    cache = fe.StaticLatentKVCache(cfg.replace(decode_delay=0), model=model)
+    fe.generate_batch(model, prompts_of(model, 2, args.warm_length, device), 40, rows=args.rows, cache=cache)
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    outputs = fe.generate_batch(model, prompts, new, rows=args.rows, cache=cache)
+    sync(device)
+    seconds = time.perf_counter() - start
+    yield {"part": "batch", "variant": "flexentropy", "n": n, "new_tokens": new, "requests": len(prompts),
+           "batch": min(args.rows, len(prompts)), "seconds": seconds,
+           "requests_per_minute": len(prompts) / seconds * 60,
+           "tokens_per_s": sum(o.numel() for o in outputs) / seconds, "peak_gib": peak_gib(device)}
+
+
+def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
+    cfg = speed_config(base_budget=args.prefill_budget, decode_delay=0)
+    keyword = cache_keyword(model)
+    for n in args.contexts:
+        ids = prompts_of(model, 1, n, device)[0][None]
+        fe.enable(model, cfg, keep_plans=False)
+        reset_peak(device)
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids, **{keyword: fe.LatentKVCache(cfg)}, use_cache=True, logits_to_keep=1)
+        sync(device)
+        yield {"part": "long", "variant": "flexentropy", "n": n, "ttft_s": time.perf_counter() - start,
+               "peak_gib": peak_gib(device)}
+        fe.disable(model)
+        kv = n * kv_bytes_per_token(model)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        row = {"part": "long", "variant": "dense_cudnn", "n": n, "kv_gib": kv / 2**30,
+               "free_gib": None if free is None else free / 2**30}
+        if free is not None and kv > free:
+            row["result"] = "does not fit: its KV alone exceeds the free memory"
+        else:
+            from transformers import DynamicCache
+
+            reset_peak(device)
+            sync(device)
+            start = time.perf_counter()
+            try:
+                with torch.no_grad(), sdpa_kernel(CUDNN):
+                    model(input_ids=ids, **{keyword: DynamicCache(config=model.config)}, use_cache=True,
+                          logits_to_keep=1)
+                sync(device)
+                row.update(ttft_s=time.perf_counter() - start, peak_gib=peak_gib(device))
+            except torch.OutOfMemoryError as err:
+                row["result"] = f"out of memory: {err}"[:300]
+        yield row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="batch")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--dense-batch", type=int, default=None, help="default: the most rows whose KV fits")
+    p.add_argument("--contexts", type=int, nargs="+", default=[524288, 1048576])
+    p.add_argument("--prefill-budget", type=int, default=3328)
+    p.add_argument("--warm-length", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="docs/results/capacity/capacity.json")
+    args = p.parse_args(argv)
+    device, out = torch.device(args.device), Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    model = build_model(args.layers, device, args.tiny)
+    fe.fuse_projections(model)
+
+    def guarded(part: str, rows_of: Callable[[], Iterator[dict]]) -> None:
+        try:
+            for row in rows_of():
+                rows.append(row)
+                print(row, flush=True)
+                write_json(out, {"benchmark": "capacity", "model": "Llama-3.1-8B shape, random weights, bf16",
+                                 "environment": environment(), "rows": rows})
+        except Exception as err:  # noqa: BLE001 - one failed part must not lose the others
+            traceback.print_exc()
+            rows.append({"part": part, "error": f"{type(err).__name__}: {err}"[:500]})
+            write_json(out, {"benchmark": "capacity", "environment": environment(), "rows": rows})
+
+    for part in args.parts.split(","):
+        guarded(part, {"batch": lambda: batch_rows(model, args, device),
+                       "long": lambda: long_rows(model, args, device)}[part])
+
+
+if __name__ == "__main__":
+    main()

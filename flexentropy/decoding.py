@@ -152,7 +152,8 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     rows). A row ends at ``eos_token_id`` (kept) or after ``max_new_tokens`` tokens and takes the next waiting
     prompt. Each prompt gets the tokens of its run alone through `greedy_generate` with the same config.
 
-    The host reads each step's tokens to find the rows that end (one synchronisation per step, for all rows).
+    The host learns which rows ended after each step (one synchronisation per step, for all rows); the tokens stay
+    on the device until their row ends.
 
     Args:
         model: an HF causal LM switched by `flexentropy.enable`.
@@ -199,10 +200,12 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     rows = min(rows, len(prompts))
     waiting = deque(enumerate(prompts))
     outputs: list[torch.Tensor | None] = [None] * len(prompts)
-    active: dict[int, tuple[int, list[int]]] = {}
+    owner = [-1] * rows                                   # the prompt each row decodes (-1: idle)
     tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
     positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
-
+    generated = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+    counts = torch.zeros(rows, dtype=torch.long, device=device)
+    busy = torch.zeros(rows, dtype=torch.bool, device=device)
     opened = False
 
     def admit(row: int) -> None:
@@ -214,34 +217,35 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
             logits = model(input_ids=ids.to(device)[None], **{keyword: single}, use_cache=True,
                            logits_to_keep=1).logits
             first = logits[:, -1:].argmax(dim=-1)
-            token = int(first)
-            if max_new_tokens == 1 or token == eos_token_id:
+            if max_new_tokens == 1 or int(first) == eos_token_id:
                 outputs[index] = first.view(1).cpu()
                 continue
             if not opened:
                 cache.open(rows, single)
                 opened = True
             cache.insert(row, single)
-            tokens[row:row + 1] = first
-            positions[row:row + 1] = ids.numel()
-            active[row] = (index, [token])
+            tokens[row] = first[0]
+            positions[row] = ids.numel()
+            generated[row, 0] = first[0, 0]
+            counts[row], busy[row], owner[row] = 1, True, index
             return
+        busy[row], owner[row] = False, -1
         if opened:
             cache.free(row)
 
     with torch.no_grad():   # as generate: inference tensors would fail the compiled graphs' guards
         for row in range(rows):
             admit(row)
-        while active:
+        while any(index >= 0 for index in owner):
             tokens = driver(tokens, positions, cache).logits[:, -1:].argmax(dim=-1)
             positions = positions + 1
-            read = tokens.view(-1).tolist()
-            for row, (index, got) in list(active.items()):
-                got.append(read[row])
-                if len(got) == max_new_tokens or read[row] == eos_token_id:
-                    outputs[index] = torch.tensor(got)
-                    del active[row]
-                    admit(row)
+            generated.scatter_(1, counts.clamp(max=max_new_tokens - 1)[:, None], tokens)
+            counts += 1
+            ended = busy & ((counts >= max_new_tokens) | (tokens[:, 0] == (-1 if eos_token_id is None
+                                                                            else eos_token_id)))
+            for row in ended.nonzero().flatten().tolist():   # the step's one wait on the device
+                outputs[owner[row]] = generated[row, :int(counts[row])].to("cpu", copy=True)
+                admit(row)
     return outputs
 
 

@@ -19,18 +19,21 @@ keep -> gather, as `LatentKVCache` decides each layer), in chunks of layers wher
 not fit in memory together.
 
 `prepare(q_len)` runs before every forward, once: on a model switched by `flexentropy.enable` the decoder's
-pre-hook runs it; the step driver of `flexentropy.decoding` (what ``generate``'s compiled path and
-`flexentropy.greedy_generate` run) calls it itself and replays the recorded step of the stage, with ``driven`` set so
-that the hook does nothing; a loop over modules without the hook (`EntropyAttention`) calls it before each forward.
+pre-hook runs it; the step driver (`flexentropy.integrations.step_driver`: what ``generate``'s compiled path,
+`flexentropy.greedy_generate` and `flexentropy.generate_batch` run) calls it itself and replays the recorded step of
+the stage, with ``driven`` set so that the hook does nothing; a loop over modules without the hook
+(`EntropyAttention`) calls it before each forward.
 Decisions are thus taken before the step's queries are handed over (transformers' order: ``update`` before the
 queries), so for an attention that hands its queries over before ``update`` (`EntropyAttention`) the window of a
 decision ends one step earlier than with `LatentKVCache`.
 
-A cache serves one conversation at a time. A forward of several tokens after decoding began is its next turn: the
-entries go back to the layers for that forward (the dynamic path appends it) and the next step enters the buffers
-again, at the same addresses. ``reset()`` empties the cache for a new request and keeps its buffers. Padding of a
-left-padded batch is read from the prompt (``observe_padding``); decode steps ignore the logical attention mask and
-attend with the cache's own validity. Beam search is not supported.
+A cache serves one conversation at a time, or, `open` for batch rows, one request per row: each request prefilled on
+its own into a one-row cache and put in a row (`insert`), each row counting and deciding on its own (`groups`: the
+rows that share a count), a finished row freed for the next (`free`). A forward of several tokens after decoding
+began is the conversation's next turn: the entries go back to the layers for that forward (the dynamic path appends
+it) and the next step enters the buffers again, at the same addresses. ``reset()`` empties the cache for a new
+request and keeps its buffers. Padding of a left-padded batch is read from the prompt (``observe_padding``); decode
+steps ignore the logical attention mask and attend with the cache's own validity. Beam search is not supported.
 """
 
 from __future__ import annotations
@@ -237,22 +240,25 @@ class StaticLatentKVCache(LatentKVCache):
         if first.window is None:
             raise RuntimeError(f"{type(self).__name__} holds entries but no queries were handed over: the attention "
                                f"must call cache.observe_queries(query_states, layer_idx) on every forward")
-        batch, heads, _, dim = first.window.shape
-        size = self.config.decode_window
-        shape = (batch, heads, size, dim)
-        if not self.window or self.window[0].shape != shape or self.window[0].dtype != first.window.dtype \
-                or self.window[0].device != first.window.device:
-            device = first.window.device
-            self.window = [static_buffer(shape, first.window.dtype, device) for _ in self.layers]
-            self.counters = {"slot": static_buffer((batch,), torch.long, device),
-                             "lengths": static_buffer((batch,), torch.int32, device),
-                             "position": static_buffer((batch,), torch.long, device)}
-            self.row_index = torch.arange(batch, device=device)
-        held = first.window.shape[2]
+        self._allocate_rows(first.window.shape[0], first.window)
+        size, held = self.config.decode_window, first.window.shape[2]
         torch._foreach_copy_([window[:, :, size - held:] for window in self.window],
                              [layer.window for layer in self.layers])
         self._share(layer_progress(first))
         self.padding = first.padding
+
+    def _allocate_rows(self, rows: int, window: torch.Tensor) -> None:
+        """The query windows (shaped like ``window [B, Hq, *, D]``) and the step's counters for ``rows`` batch rows;
+        the existing ones are kept when they fit (their addresses with them)."""
+        shape = (rows, window.shape[1], self.config.decode_window, window.shape[-1])
+        kept = self.window[0] if self.window else None
+        if kept is not None and kept.shape == shape and kept.dtype == window.dtype and kept.device == window.device:
+            return
+        device = window.device
+        self.window = [static_buffer(shape, window.dtype, device) for _ in self.layers]
+        self.counters = {name: static_buffer((rows,), dtype, device) for name, dtype in
+                         (("slot", torch.long), ("lengths", torch.int32), ("position", torch.long))}
+        self.row_index = torch.arange(rows, device=device)
 
     def _enter(self, stage: StaticBuffers) -> None:
         """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
@@ -372,17 +378,10 @@ class StaticLatentKVCache(LatentKVCache):
         if first.window is None or first.keys.shape[0] != 1:
             raise ValueError(f"open needs a one-row cache that holds a prompt and its queries, got "
                              f"{'no queries' if first.window is None else f'{first.keys.shape[0]} rows'}")
-        keys = first.keys.expand(rows, -1, -1, -1)
         self.reset()
-        self.main.allocate(len(self.layers), keys, first.values.expand(rows, -1, -1, -1))
-        shape = (rows, first.window.shape[1], self.config.decode_window, first.window.shape[-1])
-        if not self.window or self.window[0].shape != shape or self.window[0].dtype != first.window.dtype \
-                or self.window[0].device != first.window.device:
-            device = first.window.device
-            self.window = [static_buffer(shape, first.window.dtype, device) for _ in self.layers]
-            self.counters = {name: static_buffer((rows,), dtype, device) for name, dtype in
-                             (("slot", torch.long), ("lengths", torch.int32), ("position", torch.long))}
-            self.row_index = torch.arange(rows, device=device)
+        self.main.allocate(len(self.layers), first.keys.expand(rows, -1, -1, -1),
+                           first.values.expand(rows, -1, -1, -1))
+        self._allocate_rows(rows, first.window)
         self._rows = [Progress()] * rows
         self._regroup()
         self.stage = self.main

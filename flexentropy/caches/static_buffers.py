@@ -154,6 +154,16 @@ class Progress:
         self.observed += tokens
         self.stored += tokens
 
+    def keep(self, target: int | None) -> None:
+        """Account for a decision: ``target`` entries per KV head kept (None: all of them, nothing evicted)."""
+        if target is not None:
+            self.stored = min(target, self.stored)
+            self.evictions += 1
+
+    def start_over(self) -> None:
+        """An idle row's slots start over from the first (nothing it holds is read)."""
+        self.stored = 0
+
 
 class StackedView:
     """A `LayerView` of layers ``layers`` of ``stage``, stacked along the batch dim (module docstring).

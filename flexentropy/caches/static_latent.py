@@ -198,7 +198,7 @@ class StaticLatentKVCache(LatentKVCache):
             for progress, rows in self.groups:
                 if progress.prompt_length is None:   # idle rows (`free`): their slot starts over before the end
                     if progress.stored + 1 >= self.capacity:
-                        progress.stored = 0
+                        progress.start_over()
                         self._set_counters(progress, rows)
                     continue
                 target = self.policy.before_append(progress, 1)
@@ -308,10 +308,7 @@ class StaticLatentKVCache(LatentKVCache):
                 keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
             self.main.store(range(index, index + 1), keys, values, positions, self._real(positions, 1))
             layer.reset()
-        progress = self.progress
-        if target is not None:
-            progress.stored = min(target, progress.stored)
-            progress.evictions += 1
+        self.progress.keep(target)
         self._enter(self.main)
 
     def _evict(self, target: int | None, progress: Progress, rows: slice | torch.Tensor) -> None:
@@ -335,9 +332,7 @@ class StaticLatentKVCache(LatentKVCache):
             if target is not None:
                 keys, values, positions = gather_kv(keys, values, self.policy.select(view, target, 1), positions)
             self.main.store(part, keys, values, positions, self._real(positions, len(part), rows), rows)
-        if target is not None:
-            progress.stored = min(target, progress.stored)
-            progress.evictions += 1
+        progress.keep(target)
         if source is self.main:
             self._set_counters(progress, rows)
         else:

@@ -282,6 +282,21 @@ def test_reset_keeps_the_buffers_for_the_next_request() -> None:
     assert static_addresses(fresh).isdisjoint(addresses)
 
 
+def test_reset_serves_a_request_of_another_batch_size() -> None:
+    """After ``reset()`` a cache serves a batch of another size (new buffers for it), with the tokens of a fresh
+    cache; without ``reset()`` the error says what to do."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    greedy(model, ids, cache, 24, disable_compile=True)
+    pair = prompt(280, seed=4, batch=2)
+    with pytest.raises(ValueError, match="call cache.reset\\(\\) before a request of another batch size"):
+        greedy(model, pair, cache, 24, disable_compile=True)
+    cache.reset()
+    got = greedy(model, pair, cache, 24, disable_compile=True)
+    assert torch.equal(got, greedy(model, pair, StaticLatentKVCache(EVICTING, model=model), 24, disable_compile=True))
+    assert cache.main.keys[0].shape[0] == 2
+
+
 def test_a_hand_loop_may_prepare_each_step_itself() -> None:
     """A plain loop over an HF model may call ``cache.prepare(1)`` before each forward (the model's pre-hook then
     does not prepare the step again), or twice, or not at all: each step advances once, to the logits and length of

@@ -61,13 +61,20 @@ class PolicyCache(Cache):
             self.layers.append(self.layer_class(self.policy, len(self.layers), type(self).__name__, self.num_layers))
         return self.layers[layer_idx]
 
+    def reset(self) -> None:
+        """Empty every layer for a new request, which may have another batch size."""
+        super().reset()
+        self._dims.clear()
+        self._hidden.clear()
+
     def _check_dims(self, where: str, **sizes: int) -> None:
         """Every layer and call must agree on batch size, heads and head dims; GQA needs Hq % Hkv == 0."""
         for name, size in sizes.items():
             expected, origin = self._dims.setdefault(name, (size, where))
             if size != expected:
                 raise ValueError(f"{where}: expected {name} {expected} (as in {origin}), got {size}; every layer of "
-                                 f"a {type(self).__name__} must share batch size, heads and head dims")
+                                 f"a {type(self).__name__} must share batch size, heads and head dims within a "
+                                 f"request (call cache.reset() before a request of another batch size)")
         if "query_heads" in self._dims and "kv_heads" in self._dims:
             (q_heads, _), (kv_heads, _) = self._dims["query_heads"], self._dims["kv_heads"]
             if q_heads % kv_heads:

@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from flexentropy import EntropyConfig
-from flexentropy.caches import LatentKVCache, make_cache
+from flexentropy.caches import LatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode import grouped_attention, kept_columns
@@ -345,6 +345,7 @@ def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
     renamed = Version(transformers.__version__) >= Version("5.24.0")
     assert hf.cache_keyword(model) == ("cache" if renamed else "past_key_values")
     assert hf.cache_keyword(torch.compile(model)) == hf.cache_keyword(model)
+    assert hf.cache_keyword is keywords.cache_keyword   # one home, beside the names it returns
 
 
 def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: object) -> None:

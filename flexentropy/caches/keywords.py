@@ -7,6 +7,7 @@ from ``past_key_values`` to ``cache`` (the old name stays a deprecated alias unt
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,3 +21,10 @@ def cache_argument(kwargs: Mapping[str, Any]) -> Any:
         if kwargs.get(name) is not None:
             return kwargs[name]
     return None
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model``'s forward and ``generate`` take a cache: ``"cache"`` (transformers >= 5.24)
+    or ``"past_key_values"`` (earlier). ``model.generate(ids, **{cache_keyword(model): cache})`` works on both."""
+    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile'd model wraps the original
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

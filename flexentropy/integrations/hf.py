@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -42,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from flexentropy.caches.keywords import cache_keyword as cache_keyword  # re-exported: its earlier home
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.integrations import hooks
@@ -345,13 +345,6 @@ def prefill_density(model: nn.Module) -> float | None:
     densities = [s.density for m in attention_modules(model)
                  if (s := getattr(m, STATE_ATTR, None)) is not None and s.density is not None]
     return sum(densities) / len(densities) if densities else None
-
-
-def cache_keyword(model: nn.Module) -> str:
-    """The keyword under which ``model``'s forward and ``generate`` take a cache: ``"cache"`` (transformers >= 5.24)
-    or ``"past_key_values"`` (earlier). ``model.generate(ids, **{cache_keyword(model): cache})`` works on both."""
-    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile'd model wraps the original
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ MASS_OBSERVATIONS = ("probe", "pooled")
 BACKENDS = ("auto", "triton", "flash")
 DECODE_KERNELS = ("auto", "sdpa", "flash")
 
+MAX_TOKENS = 2**24
+"""Upper bound of the token counts that have no bound of their own (``decode_span``): 16M tokens, past every
+model's context, where a larger value could only be a mistake."""
+
 COVERAGE_LENGTHS = (32768, 131072)
 """Prompt lengths (tokens) at which a ``(short, long)`` coverage takes its two values (`coverage_at`)."""
 
@@ -105,7 +109,7 @@ class EntropyConfig:
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
         decode_span: an entry's (pooled) score also counts for the ``decode_span`` entries after it (each entry scores
             the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that
-            follow the one being read (0: off, as the paper).
+            follow the one being read (0: off, as the paper; at most `MAX_TOKENS`).
         decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
         decode_group: how a KV head combines its group's query heads (GQA): ``"mean"`` over the heads (and the
             window's queries), or ``"max"``: each query head scores over the window on its own and the KV head keeps
@@ -199,7 +203,7 @@ class EntropyConfig:
                 f"({self.decode_window}): the window's own entries are always kept"
             )
         check_odd(owner, "decode_pool", self.decode_pool)
-        check_int(owner, "decode_span", self.decode_span, 0)
+        check_int(owner, "decode_span", self.decode_span, 0, MAX_TOKENS)
         if self.recompress_every is not None:
             check_int(owner, "recompress_every", self.recompress_every, 1)
 

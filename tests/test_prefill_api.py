@@ -43,6 +43,11 @@ from flexentropy import EntropyConfig, sparse_prefill_attention
           for name in ("base_budget", "budget_alpha", "fluctuation_threshold", "observation_scale",
                        "max_budget_factor", "entropy_threshold")],
         ({"budget_alpha": float("nan")}, "budget_alpha must be a finite number"),
+        # accepted once without a word: a coverage rising with the length, a segment longer than any context
+        ({"coverage": (0.6, 0.8)}, r"coverage \(short, long\) must not rise with the prompt's length: expected "
+                                   r"short >= long, got \(0.6, 0.8\)"),
+        ({"segment_size": 2**40}, r"segment_size must be a positive multiple of 128 and of block_size=128, at most "
+                                  r"16777216 tokens, got 1099511627776"),
     ],
 )
 def test_config_rejects_invalid_values(changes: dict, match: str) -> None:

@@ -1,4 +1,4 @@
-"""``python -m bench``: the same as the ``flexentropy`` command (see :mod:`bench.needle_demo`)."""
+"""``python -m bench``: the ``flexentropy`` command with the lab's model aliases (see :mod:`bench.needle_demo`)."""
 
 import sys
 

@@ -5,8 +5,8 @@ as wheels that each hold one slice of the file (``<package>/data/part*.bin``). `
 with ``importlib.util.find_spec`` (without importing the packages), concatenates them in order into
 ``$FLEXENTROPY_MODELS`` (default ``~/.cache/flexentropy-models``), checks the size and sha256, and records a stamp
 next to the file so that later runs reuse it without hashing it again. A cached file is used even when the part
-wheels are gone. `apply_yarn` switches a loaded config to YaRN rope scaling (Qwen documents factor 4 over the
-original 32768 positions for 128k contexts).
+wheels are gone. Qwen documents YaRN rope scaling by factor 4 over the original 32768 positions for 128k contexts
+(`flexentropy.integrations.rope.apply_yarn`, ``--yarn 4``).
 
 No torch or transformers here: `bench.loading.resolve_model` resolves ``--model ALIAS`` through
 `resolve_alias`.
@@ -20,7 +20,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from flexentropy.cli.loading import MODEL_HELP as PATHS_HELP
 
 CACHE_ENV = "FLEXENTROPY_MODELS"
 """Environment variable naming the folder of assembled models (default ``~/.cache/flexentropy-models``)."""
@@ -80,10 +81,7 @@ MODELS: dict[str, PartModel] = {m.alias: m for m in (
 """Alias -> model. Both are qwen2 GGUFs with context 32768 that transformers loads with ``gguf_file=``."""
 
 
-MODEL_HELP = (f"an alias ({', '.join(MODELS)}: assembled from its registry part wheels, cached), a local HF model "
-              "folder, a GGUF file, or a folder holding one GGUF file")
-YARN_HELP = ("load with YaRN rope scaling by FACTOR over the model's context (Qwen2.5: 4 for 128k); the context "
-             "limit becomes FACTOR x the original")
+MODEL_HELP = f"an alias ({', '.join(MODELS)}: assembled from its registry part wheels, cached), {PATHS_HELP}"
 
 
 def cache_dir() -> Path:
@@ -190,25 +188,3 @@ def resolve_alias(name: str, folder: Path | None = None) -> Path | None:
     """The verified file of alias ``name`` (see `assemble`), or None when ``name`` is not an alias of `MODELS`."""
     model = MODELS.get(name)
     return None if model is None else assemble(model, folder)
-
-
-def apply_yarn(config: Any, factor: float) -> None:
-    """Switch a transformers config (>= 5.17: ``rope_parameters``) to YaRN rope scaling by ``factor``, in place.
-
-    ``original_max_position_embeddings`` is the config's context; ``max_position_embeddings`` becomes ``factor`` times
-    it (what length checks read). Qwen2.5 documents ``factor=4`` for 128k.
-
-    Raises:
-        ValueError: ``factor <= 1``, or a model with per-layer-type rope settings (e.g. Gemma-3).
-    """
-    if not factor > 1:
-        raise ValueError(f"YaRN factor must be > 1, got {factor}")
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    if "rope_theta" not in rope:
-        raise ValueError(f"--yarn needs a model with one rope setting (rope_parameters with rope_theta), got {rope}")
-    if rope.get("rope_type", "default") not in ("default", "yarn"):
-        raise ValueError(f"--yarn: the model already uses rope_type {rope['rope_type']!r}")
-    original = int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
-    config.rope_parameters = {**rope, "rope_type": "yarn", "factor": float(factor),
-                              "original_max_position_embeddings": original}
-    config.max_position_embeddings = int(factor * original)

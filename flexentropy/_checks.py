@@ -58,12 +58,19 @@ def label(owner: str, name: str) -> str:
     return f"{owner}.{name}" if owner else name
 
 
-def check_int(owner: str, name: str, value: object, minimum: int | None = 0) -> None:
-    """Raise unless ``value`` is an int (not a bool) ``>= minimum`` (any int when ``minimum`` is None)."""
+def check_int(owner: str, name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> None:
+    """Raise unless ``value`` is an int (not a bool) ``>= minimum`` (any int when ``minimum`` is None) and, when
+    ``maximum`` is given, ``<= maximum``."""
     if not is_int(value):
         raise TypeError(f"{label(owner, name)} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{label(owner, name)} must be >= {minimum}, got {value}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if maximum is None:
+            expected = f">= {minimum}"
+        elif minimum is None:
+            expected = f"<= {maximum}"
+        else:
+            expected = f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{label(owner, name)} must be {expected}, got {value}")
 
 
 def check_number(owner: str, name: str, value: object, low: float = -math.inf, high: float = math.inf, *,

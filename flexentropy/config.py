@@ -25,6 +25,10 @@ MASS_OBSERVATIONS = ("probe", "pooled")
 BACKENDS = ("auto", "triton", "flash")
 DECODE_KERNELS = ("auto", "sdpa", "flash")
 
+MAX_TOKENS = 2**24
+"""Upper bound of the token counts that have no bound of their own (``segment_size``, ``decode_span``): 16M tokens,
+past every model's context, where a larger value could only be a mistake."""
+
 COVERAGE_LENGTHS = (32768, 131072)
 """Prompt lengths (tokens) at which a ``(short, long)`` coverage takes its two values (`coverage_at`)."""
 
@@ -57,8 +61,9 @@ class EntropyConfig:
     attends to its own tokens causally plus whole selected key blocks before it.
 
     Prefill (paper sec. 4.2, Alg. 1-3):
-        segment_size: L_S, a multiple of 128 and of ``block_size`` (default 256: at the same coverage, segments of
-            256 keep the answers of Qwen2.5-Coder-1.5B at 32k with fewer blocks than 512, docs/quality.md).
+        segment_size: L_S, a multiple of 128 and of ``block_size``, at most `MAX_TOKENS` (default 256: at the same
+            coverage, segments of 256 keep the answers of Qwen2.5-Coder-1.5B at 32k with fewer blocks than 512,
+            docs/quality.md).
         block_size: L_B, 64 or 128 (the kernel's KV tile; the FLASH backend needs 128).
         base_budget: B_0, key tokens per segment for rigid heads and the floor for dynamic heads.
         entropy_threshold: e_t; a head whose largest segment entropy is below it is rigid.
@@ -70,10 +75,10 @@ class EntropyConfig:
             high-entropy one, gets more; design.md §1.4b) or ``"fluctuation"`` (paper Alg. 3: rigid heads B_0,
             dynamic heads follow the entropy's fluctuation; ``base_budget`` and the alpha/delta/factor knobs).
         coverage: share of the observation mass the ``"coverage"`` rule keeps, in ``(0, 1]``: one value for every
-            prompt length, or ``(short, long)``: ``short`` up to 32k tokens, ``long`` from 128k, linear in the log
-            of the length between (`coverage_at`). Default ``(0.8, 0.6)``: 0.8 kept every needle task of
-            Qwen2.5-Coder-1.5B at 32k (19.5% of the key blocks), and 0.6 its needles at 128k under YaRN at under 10%
-            (docs/quality.md).
+            prompt length, or ``(short, long)`` with ``short >= long``: ``short`` up to 32k tokens, ``long`` from
+            128k, linear in the log of the length between (`coverage_at`). Default ``(0.8, 0.6)``: 0.8 kept every
+            needle task of Qwen2.5-Coder-1.5B at 32k (19.5% of the key blocks), and 0.6 its needles at 128k under
+            YaRN at under 10% (docs/quality.md).
         fluctuation: ``"abs"`` (paper, ``|e_s - e_{s-1}| / e_{s-1}``) or ``"signed"`` (released code, clamped).
         observation: ``"probe"`` (default: the true attention of ``probes`` strided queries per segment;
             design.md §1.2b), ``"pooled"`` (the same probes against one mean key per block: ``block_size``
@@ -106,7 +111,7 @@ class EntropyConfig:
         decode_pool: width of the 1-D average pooling of scores (odd; 1 turns it off).
         decode_span: an entry's (pooled) score also counts for the ``decode_span`` entries after it (each entry scores
             the max over itself and the ``decode_span`` before it): a value the answer is copying keeps the tokens that
-            follow the one being read (0: off, as the paper).
+            follow the one being read (0: off, as the paper; at most `MAX_TOKENS`).
         decode_score: ``"softmax"`` (mean softmax attention) or ``"raw"`` (paper's sum of raw logits).
         decode_group: how a KV head combines its group's query heads (GQA): ``"mean"`` over the heads (and the
             window's queries), or ``"max"``: each query head scores over the window on its own and the KV head keeps
@@ -156,10 +161,11 @@ class EntropyConfig:
             check_int(owner, name, getattr(self, name), None)
         if self.block_size not in (64, 128):
             raise ValueError(f"EntropyConfig.block_size must be 64 or 128, got {self.block_size}")
-        if self.segment_size <= 0 or self.segment_size % Q_BLOCK_SIZE or self.segment_size % self.block_size:
+        if (self.segment_size <= 0 or self.segment_size % Q_BLOCK_SIZE or self.segment_size % self.block_size
+                or self.segment_size > MAX_TOKENS):
             raise ValueError(
                 f"EntropyConfig.segment_size must be a positive multiple of {Q_BLOCK_SIZE} and of "
-                f"block_size={self.block_size}, got {self.segment_size}"
+                f"block_size={self.block_size}, at most {MAX_TOKENS} tokens, got {self.segment_size}"
             )
         for name in ("base_budget", "entropy_threshold", "observation_scale"):
             check_number(owner, name, getattr(self, name), 0, open_low=True)
@@ -177,6 +183,9 @@ class EntropyConfig:
                         f"got {type(self.coverage).__name__} {self.coverage!r}")
         for value in self.coverage if pair else (self.coverage,):
             check_number(owner, "coverage", value, 0, 1, open_low=True)
+        if pair and self.coverage[0] < self.coverage[1]:
+            raise ValueError(f"EntropyConfig.coverage (short, long) must not rise with the prompt's length: expected "
+                             f"short >= long, got {self.coverage!r} (one number keeps the same share at every length)")
         check_choice(owner, "observation", self.observation, OBSERVATIONS)
         check_int(owner, "probes", self.probes, 1)
         if self.segment_size % self.probes:
@@ -200,7 +209,7 @@ class EntropyConfig:
                 f"({self.decode_window}): the window's own entries are always kept"
             )
         check_odd(owner, "decode_pool", self.decode_pool)
-        check_int(owner, "decode_span", self.decode_span, 0)
+        check_int(owner, "decode_span", self.decode_span, 0, MAX_TOKENS)
         if self.recompress_every is not None:
             check_int(owner, "recompress_every", self.recompress_every, 1)
 

@@ -20,15 +20,16 @@ LAB = ROOT / "bench"
 OUTSIDE = ("bench", "reference", "tests", "profiling")
 """Top-level packages beside the library that it must never import."""
 
-TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding")
-"""Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops."""
+TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
+"""Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops, the
+command line."""
 
 PATCHERS = ("flexentropy.integrations",)
 """The only library modules that may install hooks on a model or set attributes of objects they were handed."""
 
 LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.sparse",
           "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.caches",
-          "flexentropy.integrations", "flexentropy.decoding")
+          "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
 """Lower layers first: a module may import its own layer and the ones before it, never a later one."""
 
 

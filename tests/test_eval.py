@@ -541,7 +541,7 @@ def test_prompt_only_forwards_compute_the_last_logits_only(loaded: Loaded) -> No
     """`warm_up` and `capture_qkv` need no ``[B, N, V]`` logits (64 GiB in bf16 for 8 rows of 16k tokens over a
     262k vocabulary: the warm-up ran out of memory on the H200 before it asked for the last position only)."""
     from bench.eval.capture import capture_qkv
-    from bench.generation import warm_up
+    from flexentropy.cli.generation import warm_up
 
     widths: list[int] = []
     head = loaded.model.get_output_embeddings()

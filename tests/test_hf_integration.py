@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from flexentropy import EntropyConfig
-from flexentropy.caches import LatentKVCache, make_cache
+from flexentropy.caches import LatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode import grouped_attention, kept_columns
@@ -104,6 +104,42 @@ def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
             assert stored == (PROMPT + 7 if window is None else window), (module.layer_idx, stored)
             assert cache.get_seq_length(module.layer_idx) == PROMPT + 7
             assert cache.layers[module.layer_idx].observed == PROMPT + 7  # the queries were handed over
+
+
+REUSED_CACHES = {
+    "latent": lambda model: LatentKVCache(COVERING),
+    "full": lambda model: make_cache("full", model=model),
+    "snapkv": lambda model: make_cache("snapkv", model=model, budget=4096, window=16),
+}
+
+
+@pytest.mark.parametrize("name", REUSED_CACHES)
+def test_a_new_prompt_on_a_used_cache_asks_for_reset_and_a_later_turn_continues(name: str) -> None:
+    """A second ``generate`` with a new prompt on a used cache gave silently wrong tokens (``generate`` fed the new
+    prompt's tail after the old conversation); it now raises and says to reset. After ``reset`` the cache gives the
+    dense tokens, and a later turn of the same conversation (the whole conversation passed to ``generate``) gives
+    the dense model's later turn."""
+    dense, model = twins("llama", COVERING)
+    enable(model, COVERING, prefill="dense")
+    ids, other = prompt(300), prompt(250, seed=2)
+    cache = REUSED_CACHES[name](model)
+    first = greedy(model, ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"already holds a conversation of 307 tokens, but the 193 new tokens of "
+                                         r"batch row 0 start at position 57, not 307: .* Call cache.reset\(\)"):
+        greedy(model, other, attention_mask=torch.ones_like(other), past_key_values=cache)
+    cache.reset()
+    assert torch.equal(greedy(model, other, past_key_values=cache), greedy(dense, other))
+    with pytest.raises(ValueError, match=r"start at position 0, not 257"):   # a forward given the prompt's positions
+        model(ids, position_ids=torch.arange(300)[None], past_key_values=cache)
+
+    conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
+    dense_cache, cache = DynamicCache(config=dense.config), REUSED_CACHES[name](model)
+    for net, used in ((dense, dense_cache), (model, cache)):
+        assert torch.equal(greedy(net, ids, past_key_values=used), first)
+    assert torch.equal(greedy(model, conversation, attention_mask=torch.ones_like(conversation), past_key_values=cache),
+                       greedy(dense, conversation, attention_mask=torch.ones_like(conversation),
+                              past_key_values=dense_cache))
+    assert cache.get_seq_length() == conversation.shape[1] + 7
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -345,6 +381,7 @@ def test_cache_keyword_follows_the_installed_transformers(arch: str) -> None:
     renamed = Version(transformers.__version__) >= Version("5.24.0")
     assert hf.cache_keyword(model) == ("cache" if renamed else "past_key_values")
     assert hf.cache_keyword(torch.compile(model)) == hf.cache_keyword(model)
+    assert hf.cache_keyword is keywords.cache_keyword   # one home, beside the names it returns
 
 
 def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: object) -> None:

@@ -150,6 +150,18 @@ def test_spread_forward_matches_reference(span, length, raw, seed):
         assert spread is scores
 
 
+def test_a_span_past_the_scores_costs_their_length_and_a_huge_decode_span_is_refused():
+    """A span of ``T - 1`` or more is a running max: 10**12 gives that result at the scores' cost (it once padded by
+    the span, 24 TB here), and `EntropyConfig` names the range of ``decode_span`` (10**9 was accepted)."""
+    scores = _randn(torch.Generator().manual_seed(0), 2, 3, 20)
+    running_max = scores.cummax(dim=-1).values
+    for span in (19, 20, 10**12):
+        torch.testing.assert_close(spread_forward(scores, span), running_max, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"EntropyConfig.decode_span must be in \[0, 16777216\], got 1000000000"):
+        EntropyConfig(decode_span=10**9)
+    assert EntropyConfig(decode_span=2**24).decode_span == 2**24
+
+
 @settings(max_examples=60, deadline=None)
 @given(length=st.integers(1, 30), budget=st.integers(1, 35), forced=st.integers(0, 30), as_mask=st.booleans(),
        ties=st.booleans(), seed=st.integers(0, 2**16))

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from bench import models
-from bench.models import MODELS, ModelUnavailable, PartModel, apply_yarn, assemble
+from bench.models import MODELS, ModelUnavailable, PartModel, assemble
+from flexentropy.integrations.rope import apply_yarn
 
 SLICES = (b"GGUF-first-slice|", b"second|", b"", b"last")
 

@@ -266,7 +266,7 @@ def test_make_prefill_and_the_evaluation_budget():
 
 
 def test_cli_accepts_the_peers():
-    from bench.needle_demo import build_parser
+    from flexentropy.cli import build_parser
 
     for name in PEERS:
         assert build_parser().parse_args(["--prefill", name]).prefill == name

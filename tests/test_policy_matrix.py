@@ -214,7 +214,7 @@ def test_smollm2_runs_every_combination(smollm2, prefill: str) -> None:
 
 
 def test_cli_offers_every_policy() -> None:
-    from bench.needle_demo import build_parser
+    from flexentropy.cli import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["prefill"].choices) == tuple(PREFILL_POLICIES)
@@ -226,7 +226,7 @@ def test_cli_runs_a_baseline_combination(tmp_path: Path) -> None:
 
     from test_cli import word_tokenizer
 
-    from bench.needle_demo import main
+    from flexentropy.cli import main
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -14,6 +14,7 @@ import torch
 import flexentropy as fe
 import reference
 from flexentropy import EntropyConfig, sparse_prefill_attention
+from flexentropy.sparse.plan import causal_blocks
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,11 @@ from flexentropy import EntropyConfig, sparse_prefill_attention
           for name in ("base_budget", "budget_alpha", "fluctuation_threshold", "observation_scale",
                        "max_budget_factor", "entropy_threshold")],
         ({"budget_alpha": float("nan")}, "budget_alpha must be a finite number"),
+        # accepted once without a word: a coverage rising with the length, a segment longer than any context
+        ({"coverage": (0.6, 0.8)}, r"coverage \(short, long\) must not rise with the prompt's length: expected "
+                                   r"short >= long, got \(0.6, 0.8\)"),
+        ({"segment_size": 2**40}, r"segment_size must be a positive multiple of 128 and of block_size=128, at most "
+                                  r"16777216 tokens, got 1099511627776"),
     ],
 )
 def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
@@ -105,6 +111,15 @@ def test_bad_tensors_raise_clear_errors(mutate, error: type, match: str) -> None
     cfg = EntropyConfig(segment_size=128, block_size=128, dense_prefix=0)
     with pytest.raises(error, match=match):
         sparse_prefill_attention(q, k, v, cfg)
+
+
+def test_a_plan_on_meta_tensors_prints_its_shapes() -> None:
+    """Its repr read the density with ``.item()``, which meta tensors (shapes without data) cannot give."""
+    plan = fe.SparsePlan(torch.zeros(2, 4, 5, 10, dtype=torch.bool, device="meta"), seq_len=640, block_size=64)
+    assert repr(plan) == ("SparsePlan(batch=2, heads=4, seq_len=640, q_blocks=5, kv_blocks=10, block_size=64, "
+                          "density=? (meta tensors))")
+    causal = causal_blocks(640, 64).expand(2, 4, 5, 10)
+    assert repr(fe.SparsePlan(causal, seq_len=640, block_size=64)).endswith("block_size=64, density=1.000)")
 
 
 @pytest.mark.parametrize(("call", "match"), [

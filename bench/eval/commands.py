@@ -29,7 +29,8 @@ from typing import Any
 from bench.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
 from bench.eval.tasks import PLACEMENTS, TASKS
 from bench.loading import DTYPES
-from bench.models import MODEL_HELP, MODELS, YARN_HELP
+from bench.models import MODEL_HELP, MODELS
+from flexentropy.cli.loading import YARN_HELP
 from flexentropy.config import EntropyConfig
 
 DEFAULT_OUT = Path("runs/quality")

@@ -171,7 +171,7 @@ def _generate(loaded: Loaded, ids: list[int], rows: int, max_new_tokens: int, de
     """Greedy replies of ``rows`` identical rows of ``ids`` (no padding: the batch runs the sparse path together)."""
     from transformers import DynamicCache
 
-    from bench.generation import generate_batch_timed
+    from flexentropy.cli.generation import generate_batch_timed
 
     prompt = torch.tensor([ids], device=loaded.model.device).expand(rows, -1).contiguous()
     new, _, _ = generate_batch_timed(loaded.model, loaded.tokenizer, prompt, torch.ones_like(prompt),
@@ -347,7 +347,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def write_json(path: Path, meta: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     """Write ``{"meta", "summary", "samples"}`` to ``path``; returns the summary."""
-    from bench.files import write_json_atomic
+    from flexentropy.cli.files import write_json_atomic
 
     summary = summarise(records)
     write_json_atomic(path, {"meta": meta, "summary": summary, "samples": records})

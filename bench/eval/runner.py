@@ -42,7 +42,7 @@ from bench.eval.resolve import (
     spec_label,
 )
 from bench.eval.tasks import PLACEMENTS, TASKS, Sample, Turn, make_sample, sample_ids
-from bench.generation import cache_bytes, eos_ids, generate_batch_timed, warm_up
+from flexentropy.cli.generation import cache_bytes, eos_ids, generate_batch_timed, warm_up
 from flexentropy.config import EntropyConfig
 
 EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, coverage=0.8, dense_prefix=256,

@@ -117,6 +117,35 @@ class PolicyCache(Cache):
         check_int("observe_sliding", "window", window, 1)
         self._layer(layer_idx).sliding_window = window
 
+    def check_positions(self, position_ids: torch.Tensor | None, layer_idx: int) -> None:
+        """Raise ``ValueError`` when the tokens of a forward on a layer that already held a conversation do not
+        continue it: a new prompt on a used cache, which would attend over the old conversation's entries.
+
+        Call it after the forward's ``update`` of layer ``layer_idx``, with the positions the model gave its tokens,
+        ``position_ids`` ``[B or 1, q_len]`` (None, a single token or the first forward: nothing to check; not while
+        compiling). A continuation starts where the cache ends: ``generate`` with a used cache takes the whole
+        conversation and feeds the tokens past the cache's length; a prompt fed in several forwards continues too.
+        A left-padded row counts its positions from its first real token (`observe_padding`).
+        """
+        if (position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2
+                or layer_idx >= len(self.layers) or torch.compiler.is_compiling()):
+            return
+        layer = self.layers[layer_idx]
+        held = layer.seen - position_ids.shape[-1]
+        if held <= 0:
+            return
+        expected = torch.full_like(position_ids[:, 0], held) if layer.padding is None else held - layer.padding
+        starts = position_ids[:, 0].expand_as(expected)
+        wrong = (starts != expected).nonzero().flatten()
+        if wrong.numel():
+            row = int(wrong[0])
+            raise ValueError(
+                f"{type(self).__name__} layer {layer_idx} already holds a conversation of {held} tokens, but the "
+                f"{position_ids.shape[-1]} new tokens of batch row {row} start at position {int(starts[row])}, not "
+                f"{int(expected[row])}: a new prompt on a used cache. Call cache.reset() (or use a new cache) before "
+                f"a new prompt; for a later turn of the same conversation, pass the whole conversation to generate"
+            )
+
     @property
     def wants_signals(self) -> bool:
         """Whether the policy needs ``observe_hidden``/``finish_forward`` (decoder hooks of `flexentropy.enable`)."""

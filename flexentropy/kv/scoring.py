@@ -122,10 +122,14 @@ def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
     Why: a window query reading a value attends the token it copies next; the rest of the value lies after it, with
     no attention yet. Average pooling keeps ``pool // 2`` of those tokens; an answer that outlives the eviction
     needs the rest.
+
+    A ``span`` of ``T - 1`` or more reaches back to the first entry from every ``t`` (a running max): it is cut to
+    ``T - 1``, which gives the same result, so the cost stays that of the scores' length.
     """
     if not is_int(span) or span < 0:
         raise ValueError(f"span must be an int >= 0 (0 = off), got {span!r}")
-    if span == 0:
+    span = min(span, scores.shape[-1] - 1)
+    if span <= 0:
         return scores
     flat = F.pad(scores.reshape(-1, 1, scores.shape[-1]), (span, 0), value=float("-inf"))
     return F.max_pool1d(flat, span + 1, stride=1).reshape(scores.shape)

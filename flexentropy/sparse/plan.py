@@ -131,7 +131,12 @@ class SparsePlan:
 
     def __repr__(self) -> str:
         b, h, cq, cb = self.blocks.shape
-        kind = "dense" if self.dense else f"density={self.density:.3f}"
+        if self.dense:
+            kind = "dense"
+        elif self.blocks.is_meta:   # shapes without data: nothing to count
+            kind = "density=? (meta tensors)"
+        else:
+            kind = f"density={self.density:.3f}"
         return (f"SparsePlan(batch={b}, heads={h}, seq_len={self.seq_len}, q_blocks={cq}, kv_blocks={cb}, "
                 f"block_size={self.block_size}, {kind})")
 

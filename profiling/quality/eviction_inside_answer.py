@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import flexentropy as fe
-from bench.data import load_essays, prompt_ids, vault_needle
-from bench.loading import load_model
-from flexentropy.integrations import cache_keyword
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/) is not installed: the checkout
+import flexentropy as fe  # noqa: E402
+from bench.data import load_essays, prompt_ids, vault_needle  # noqa: E402
+from bench.loading import load_model  # noqa: E402
+from flexentropy.integrations import cache_keyword  # noqa: E402
 
 SETTINGS = {   # name -> EntropyConfig changes (None: the full cache)
     "full": None,

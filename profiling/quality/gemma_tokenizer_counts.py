@@ -14,8 +14,9 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from transformers.utils import logging
 
-from bench.data import load_essays
-from flexentropy.integrations.gguf import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/) is not installed: the checkout
+from bench.data import load_essays  # noqa: E402
+from flexentropy.integrations.gguf import load_tokenizer  # noqa: E402
 
 GGUF = "gemma-3-270m-q4_k_m.gguf"
 

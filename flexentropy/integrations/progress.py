@@ -1,0 +1,22 @@
+"""A callback after each attention layer's forward: what a progress bar over a prefill's layers reads."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from torch import nn
+
+from flexentropy.integrations.settings import attention_modules
+
+
+@contextlib.contextmanager
+def after_each_layer(model: nn.Module, callback: Callable[[], None]) -> Iterator[None]:
+    """Call ``callback()`` after every attention module's forward (`attention_modules`) while the block runs; the
+    forward hooks come off on exit."""
+    handles = [module.register_forward_hook(lambda *_: callback()) for module in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,164 @@
+"""Switching a transformers model to flexentropy and back: `enable`, `disable`, `enabled`.
+
+`enable` registers ``"flexentropy"`` in transformers' attention and mask interfaces (`register`: the functions of
+`flexentropy.integrations.attention` and `flexentropy.integrations.mask`), gives the model its own config with the
+settings recorded on it (`flexentropy.integrations.settings`) and installs the hooks of
+`flexentropy.integrations.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. Only
+`SUPPORTED_MODEL_TYPES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from flexentropy.config import EntropyConfig, check_config
+from flexentropy.integrations import hooks
+from flexentropy.integrations.attention import attention_forward
+from flexentropy.integrations.mask import logical_mask
+from flexentropy.integrations.settings import (
+    CONFIG_ATTR,
+    STATE_ATTR,
+    LayerState,
+    attention_modules,
+    check_prefill,
+    settings_dict,
+)
+from flexentropy.integrations.tensor_parallel import local_heads
+from flexentropy.policies import PrefillPolicy
+from flexentropy.sparse.kernel import COMPILED_DTYPES
+
+ATTN_IMPLEMENTATION = "flexentropy"
+"""The name under which flexentropy is registered in transformers' attention and mask interfaces."""
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+"""``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
+
+
+def register() -> None:
+    """Register ``"flexentropy"`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    Runs when this module is imported; calling it again is harmless.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, logical_mask)
+
+
+def check_supported(config: Any) -> None:
+    """Raise ``ValueError`` unless ``config`` (a transformers config) is of a supported, causal architecture."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"flexentropy supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                         f"got {model_type!r} ({type(config).__name__})")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("flexentropy does not support attention logit soft-capping "
+                         f"(config.attn_logit_softcapping={config.attn_logit_softcapping})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("flexentropy supports causal attention only (config.use_bidirectional_attention=True)")
+
+
+def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
+           keep_plans: bool = True) -> PreTrainedModel:
+    """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
+
+    Gives the model its own copy of its transformers config (another model built from the same config object keeps
+    its attention and settings), sets ``attn_implementation="flexentropy"`` there, stores ``config`` and ``prefill``
+    on ``model.config.flexentropy`` (a record for ``save_pretrained``: the layers read their settings from `enable`,
+    so editing that dict later changes nothing) and on every attention module, and installs the hooks of
+    `flexentropy.integrations.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
+    to the attention function). Calling it again replaces the settings; `disable` undoes it.
+
+    Args:
+        model: a model of one of `SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``).
+        config: knobs of sparse prefill and of `LatentKVCache` (default ``EntropyConfig()``).
+        prefill: a name of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1),
+            ``"dense"`` (SDPA prefill, e.g. to measure a cache policy alone), or another sparse policy
+            (``"critiprefill"``, ``"streaming"``, ``"flexprefill"``, ``"xattention"``, ``"vertical_slash"``: their
+            own knobs at their defaults, budget and geometry from ``config``); or a `PrefillPolicy` with knobs of
+            its own, e.g. ``make_prefill("xattention", cfg, threshold=0.8)``, which carries its config (leave
+            ``config`` None or pass the same one).
+        keep_plans: keep each layer's last prefill plans on its `LayerState` (``plans``). Pass False for prompts of
+            several hundred thousand tokens: a plan's block table grows with the square of the length (1 GiB per
+            layer at 1M tokens and 16 query heads); the prefill's density stays available either way.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
+    if isinstance(prefill, PrefillPolicy):
+        if config is not None and config != prefill.config:
+            raise TypeError("a PrefillPolicy carries its EntropyConfig: pass config=None (or the policy's own config)")
+        config, prefill, knobs = prefill.config, prefill.name, prefill.knobs
+    else:
+        knobs = {}
+    config = check_config(config, optional=True)
+    check_prefill(prefill)
+    check_supported(model.config)
+    if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
+        raise TypeError(f"flexentropy's sparse prefill runs compiled FlexAttention, which takes float16, bfloat16 or "
+                        f"float32; the model is {model.dtype}: load it in one of those (or use prefill='dense')")
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"found no attention modules (`*.self_attn` with a layer_idx) in {type(model).__name__}")
+    for module in modules:
+        local_heads(module)  # a tensor-parallel sharding must keep whole heads and GQA groups on each rank
+    missing = sorted(set(config.dense_layers) - {module.layer_idx for module in modules})
+    if missing:
+        raise ValueError(f"EntropyConfig.dense_layers names layer(s) {missing} that {type(model).__name__} does not "
+                         f"have (its attention layers are 0..{len(modules) - 1})")
+    register()
+    own_config(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
+    for module in modules:
+        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs, keep_plans=keep_plans))
+    hooks.install(model, modules)
+    return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hooks`), its
+    attention back to SDPA, its layers' settings and ``model.config.flexentropy`` dropped. A model that was not
+    enabled is returned unchanged."""
+    if not hooks.remove(model):
+        return model
+    for module in attention_modules(model):
+        vars(module).pop(STATE_ATTR, None)
+    if hasattr(model.config, CONFIG_ATTR):
+        delattr(model.config, CONFIG_ATTR)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@contextlib.contextmanager
+def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
+            keep_plans: bool = True) -> Iterator[PreTrainedModel]:
+    """``with fe.enabled(model, cfg): ...``: `enable` on entry, `disable` on exit (arguments as `enable`)."""
+    enable(model, config, prefill=prefill, keep_plans=keep_plans)
+    try:
+        yield model
+    finally:
+        disable(model)
+
+
+def own_config(model: PreTrainedModel) -> None:
+    """Give ``model`` and its submodules a private copy of its config (and of the sub-configs they hold), so that
+    what `enable` sets there (the attention implementation, ``config.flexentropy``) changes no other model built
+    from the same config object."""
+    old = model.config
+    new = copy.deepcopy(old)
+    copies = {id(old): new}
+    for name in getattr(old, "sub_configs", {}):
+        if isinstance(getattr(old, name, None), PretrainedConfig):
+            copies[id(getattr(old, name))] = getattr(new, name)
+    for module in model.modules():
+        held = getattr(module, "config", None)
+        if held is not None and id(held) in copies:
+            module.config = copies[id(held)]
+
+
+register()

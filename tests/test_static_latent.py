@@ -297,6 +297,20 @@ def test_reset_serves_a_request_of_another_batch_size() -> None:
     assert cache.main.keys[0].shape[0] == 2
 
 
+def test_a_new_prompt_on_a_used_cache_says_to_reset_it() -> None:
+    """A second request on a used static cache without ``reset()`` raises and says to reset (it attended over the old
+    conversation's entries); after ``reset()`` the request gets a fresh cache's tokens."""
+    model, ids, other = model_for("llama", EVICTING), prompt(300), prompt(280, seed=5)
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    greedy(model, ids, cache, 24, disable_compile=True)
+    with pytest.raises(ValueError, match="a new prompt on a used cache. Call cache.reset"):
+        greedy(model, other, cache, 24, disable_compile=True)
+    cache.reset()
+    got = greedy(model, other, cache, 24, disable_compile=True)
+    assert torch.equal(got, greedy(model, other, StaticLatentKVCache(EVICTING, model=model), 24,
+                                   disable_compile=True))
+
+
 def test_a_hand_loop_may_prepare_each_step_itself() -> None:
     """A plain loop over an HF model may call ``cache.prepare(1)`` before each forward (the model's pre-hook then
     does not prepare the step again), or twice, or not at all: each step advances once, to the logits and length of

@@ -22,7 +22,6 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.caches.static_latent import StaticLatentKVCache
 from flexentropy.integrations.hooks import CACHE_KWARG, real_tokens
 from flexentropy.integrations.settings import LayerState, layer_state
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
@@ -52,8 +51,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     cache = kwargs.get(CACHE_KWARG)
     policy = isinstance(cache, PolicyCache)
     if policy:
-        if not isinstance(cache, StaticLatentKVCache):   # its static phase counts positions in its own counters
-            cache.check_positions(kwargs.get("position_ids"), module.layer_idx)
+        cache.check_positions(kwargs.get("position_ids"), module.layer_idx)
         cache.observe_queries(query, module.layer_idx)
     if query.shape[-2] == key.shape[-2]:
         return _prefill(module, state, query, key, value, attention_mask, scaling, sliding_window)

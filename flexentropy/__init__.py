@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.decode import decode_attention
+from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill
 from flexentropy.prefill import (
     RecompileLimitError,

@@ -16,7 +16,7 @@ from torch import nn
 
 from flexentropy._checks import check_layer_idx, is_int
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.kv.decode import decode_attention
+from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.prefill import sparse_prefill_attention
 
 

@@ -5,10 +5,10 @@ buffers captured in one CUDA graph and replayed, so launch gaps are gone and eve
 
     python profiling/decode_attention.py --out docs/results/decode_static/decode_attention.json
 
-Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as `StaticLatentLayer.valid` gives it for an
+Attention variants (all compiled, the mask a bool ``[B, Hkv, 1, C]`` as the static cache's validity gives it for an
 unpadded batch: the first ``C - 26`` entries of every row, a step between two recompressions):
 
-* ``sdpa_masked``: `flexentropy.kv.decode.grouped_attention` (the GQA group folded onto the query length, one
+* ``sdpa_masked``: `flexentropy.kv.decode_attention.grouped_attention` (the GQA group folded onto the query length, one
   SDPA call with the mask): what the captured step runs today;
 * ``sdpa_efficient``: the same call with SDPA held to its memory-efficient backend;
 * ``matmul``: the same folded product written out, ``softmax(q k^T * scale + mask) v``, in float32;
@@ -18,9 +18,9 @@ unpadded batch: the first ``C - 26`` entries of every row, a step between two re
 * ``split``: ``reduced`` with the entries cut into ``--partitions`` chunks merged by their maxima (split-KV, as
   flash-decoding does), so that one token's attention over ~1k entries spreads over more of the GPU than one block
   per KV head;
-* ``flash``: `flexentropy.kv.decode.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one split:
-  4.0.0b36 asserts "SplitKV not supported on SM 9.0" for more), masked by the count of valid entries per row
-  (``StaticLatentLayer.lengths``), where flash-attn-4 is importable: what the captured step runs when it can;
+* ``flash``: `flexentropy.kv.decode_attention.flash_decode`, flash-attn-4's kernel as a custom op (GQA packed, one
+  split: 4.0.0b36 asserts "SplitKV not supported on SM 9.0" for more), masked by the count of valid entries per row
+  (the cache's ``lengths`` counter), where flash-attn-4 is importable: what the recorded step runs when it can;
 * ``flash_split``: the same kernel over ``--partitions`` equal parts of each row's entries, each a row of its own,
   merged by their log-sum-exps (`flash_decode` with ``splits``; batch 1 only);
 * ``cudnn_nomask``: SDPA held to cuDNN over every entry, no mask (the strong dense decode's attention: a full
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment, time_ms, write_json  # noqa: E402
 
-from flexentropy.kv.decode import flash_decode, grouped_attention, split_count  # noqa: E402
+from flexentropy.kv.decode_attention import flash_decode, grouped_attention, split_count  # noqa: E402
 
 _flex = torch.compile(flex_attention, dynamic=False)
 

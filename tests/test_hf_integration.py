@@ -35,7 +35,7 @@ from flexentropy import EntropyConfig
 from flexentropy.caches import LatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
-from flexentropy.kv.decode import grouped_attention, kept_columns
+from flexentropy.kv.decode_attention import grouped_attention, kept_columns
 from flexentropy.policies import PrefillPolicy
 
 VOCAB = 256

@@ -538,7 +538,7 @@ def test_prefix_masked_decode_matches_reference(batch: int, kv_heads: int, group
     """The static step's SDPA path under a prefix mask (the mask `flash_decode`'s lengths stand for) against the
     reference over each row's first ``lengths[b]`` entries; on CUDA, `flash_decode` is checked against the same
     reference (tests/test_static_latent.py)."""
-    from flexentropy.kv.decode import grouped_attention
+    from flexentropy.kv.decode_attention import grouped_attention
 
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, capacity), min_size=batch, max_size=batch)))
     gen = torch.Generator().manual_seed(capacity)

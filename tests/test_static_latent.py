@@ -22,7 +22,7 @@ from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.caches.static_latent import layer_attention
 from flexentropy.decoding import compile_step, greedy_decode
 from flexentropy.integrations.hf import cache_keyword, enable
-from flexentropy.kv.decode import flash_decode
+from flexentropy.kv.decode_attention import flash_decode
 from reference import cache as reference
 
 VOCAB = 256
@@ -483,8 +483,8 @@ def test_flash_decode_traces_to_its_output_shape() -> None:
 
 def partial_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flexentropy.kv.decode.PartialAttention` in float64: each row over its first ``lengths[b]`` entries, and the
-    log-sum-exp of its scores (-inf, output 0, for a row of none)."""
+    """`flexentropy.kv.decode_attention.PartialAttention` in float64: each row over its first ``lengths[b]``
+    entries, and the log-sum-exp of its scores (-inf, output 0, for a row of none)."""
     group = query.shape[2] // keys.shape[2]
     k, v = (t.double().transpose(1, 2).repeat_interleave(group, 1) for t in (keys, values))
     scores = query.double().transpose(1, 2) @ k.transpose(-1, -2) * scale                 # [B, Hq, 1, T]

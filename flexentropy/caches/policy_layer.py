@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from flexentropy.kv.decode import decode_attention, grouped_attention, kept_columns
+from flexentropy.kv.decode_attention import decode_attention, grouped_attention, kept_columns
 from flexentropy.kv.keep import gather_kv
 from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
 from flexentropy.policies.base import CachePolicy

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexentropy.kv.decode import flash_decode, grouped_attention, split_count
+from flexentropy.kv.decode_attention import flash_decode, grouped_attention, split_count
 
 SPLITS = 16
 """Most parts `flash_decode` splits one row's entries into (batch 1): flash-attn-4 runs a row on ``Hkv`` blocks of

@@ -49,7 +49,7 @@ from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.policy_layer import PolicyLayer, nan_entries
 from flexentropy.caches.static_buffers import Progress, StackedView, StaticBuffers, static_buffer
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.decode import decode_attention, flash_decode_usable, grouped_attention
+from flexentropy.kv.decode_attention import decode_attention, flash_decode_usable, grouped_attention
 from flexentropy.kv.keep import gather_kv
 
 SCORE_ELEMENTS = 1 << 27

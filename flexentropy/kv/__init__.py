@@ -11,7 +11,7 @@ Nothing here imports transformers or any other part of flexentropy: policies and
 
 from __future__ import annotations
 
-from flexentropy.kv.decode import decode_attention
+from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.kv.keep import KeptKV, gather_kv, keep_indices
 from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
 from flexentropy.kv.scoring import SCORE_KINDS, pool_scores, spread_forward, window_attention_scores

@@ -10,6 +10,7 @@ directly; the drivers live here, per model (weakly), not on the model.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from torch import nn
 
 from flexentropy.caches.keywords import cache_keyword
 
-Forward = Callable[[torch.Tensor, torch.Tensor, Any], Any]
-"""``(tokens [B, 1] int64, position_ids [B, 1] int64, cache) -> output``: a model's one-token step (`StepDriver`)."""
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor, Any], Any]
+"""``(model, tokens [B, 1] int64, position_ids [B, 1] int64, cache) -> output``: a model's one-token step
+(`StepDriver`)."""
 
 
 @dataclass
@@ -48,13 +50,16 @@ class StepDriver:
     logits before the next step, as ``generate`` and the greedy loops do).
 
     Args:
-        forward: the model's step (`Forward`), eager.
+        model: the model (held weakly: the drivers live beside it, `step_driver`).
+        forward: its step (`Forward`), eager.
         compile_options: ``torch.compile`` keywords of the static steps (None: static steps run ``forward`` eagerly,
             and nothing is recorded).
         capture: record static steps as CUDA graphs (the model on CUDA).
     """
 
-    def __init__(self, forward: Forward, compile_options: dict[str, Any] | None, capture: bool) -> None:
+    def __init__(self, model: nn.Module, forward: Forward, compile_options: dict[str, Any] | None,
+                 capture: bool) -> None:
+        self.model = weakref.ref(model)
         self.forward = forward
         self.compiled = None if compile_options is None else torch.compile(forward, **compile_options)
         self.capture = capture and self.compiled is not None
@@ -63,15 +68,16 @@ class StepDriver:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
         """One step of ``tokens [B, L]`` at ``positions [B, L]`` over ``cache``; the forward's output."""
+        model = self.model()
         cache.driven = True
         try:
             cache.prepare(tokens.shape[1])
             stage = cache.stage
             if stage is None or tokens.shape[1] != 1 or self.compiled is None:
-                return self.forward(tokens, positions, cache)
+                return self.forward(model, tokens, positions, cache)
             if not self.capture:
-                return self.compiled(tokens, positions, cache)
-            recording = self._recording(cache, stage, tokens, positions)
+                return self.compiled(model, tokens, positions, cache)
+            recording = self._recording(model, cache, stage, tokens, positions)
             recording.tokens.copy_(tokens)
             recording.positions.copy_(positions)
             recording.graph.replay()
@@ -80,7 +86,8 @@ class StepDriver:
         finally:
             cache.driven = False
 
-    def _recording(self, cache: Any, stage: Any, tokens: torch.Tensor, positions: torch.Tensor) -> Recording:
+    def _recording(self, model: nn.Module, cache: Any, stage: Any, tokens: torch.Tensor,
+                   positions: torch.Tensor) -> Recording:
         recordings = self.recordings.setdefault(cache, {})
         key = (id(stage), stage.version, tuple(tokens.shape))
         if key not in recordings:
@@ -90,24 +97,19 @@ class StepDriver:
             side.wait_stream(torch.cuda.current_stream(tokens.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.compiled(*inputs, cache)
+                    self.compiled(model, *inputs, cache)
                     cache.restore(saved)
             torch.cuda.current_stream(tokens.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output = self.compiled(*inputs, cache)
+                output = self.compiled(model, *inputs, cache)
             cache.restore(saved)
             self.pool = graph.pool()
             recordings[key] = Recording(graph, *inputs, output)
         return recordings[key]
 
-    @property
-    def recorded(self) -> int:
-        """CUDA graphs recorded so far (all caches)."""
-        return sum(len(recordings) for recordings in self.recordings.values())
 
-
-def step_options(compile_config: Any, device: torch.device) -> dict[str, Any] | None:
+def step_options(compile_config: Any, device: torch.device) -> dict[str, Any]:
     """``torch.compile`` keywords of a `StepDriver`'s static steps from transformers' ``CompileConfig`` (None: its
     defaults): its backend, options and ``fullgraph``, ``dynamic=False``; on CUDA without a mode of its own (the
     driver records the CUDA graphs), elsewhere with the config's mode."""
@@ -134,14 +136,15 @@ def step_driver(model: nn.Module, compile_config: Any, device: torch.device, *, 
     key = repr(sorted(options.items())) if options is not None else "eager"
     drivers = _DRIVERS.setdefault(model, {})
     if key not in drivers:
-        keyword = cache_keyword(model)
-
-        def forward(tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
-            return model(input_ids=tokens, position_ids=positions, **{keyword: cache}, use_cache=True,
-                         logits_to_keep=1)
-
-        drivers[key] = StepDriver(forward, options, capture=device.type == "cuda")
+        step = functools.partial(hf_step, keyword=cache_keyword(model))
+        drivers[key] = StepDriver(model, step, options, capture=device.type == "cuda")
     return drivers[key]
+
+
+def hf_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, *, keyword: str) -> Any:
+    """An HF causal LM's one-token step (`Forward`, with the model's cache ``keyword``): its output, logits of the
+    last token only."""
+    return model(input_ids=tokens, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
 
 
 def forget_drivers(model: nn.Module) -> None:

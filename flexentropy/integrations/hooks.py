@@ -45,7 +45,6 @@ _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakre
 """Model -> the handles of the hooks `install` registered on it."""
 
 
-
 def installed(model: nn.Module) -> bool:
     """Whether `install` put its hooks on ``model`` (and `remove` has not taken them off)."""
     return model in _INSTALLED

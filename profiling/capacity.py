@@ -40,8 +40,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, speed_config, sync, write_json  # noqa: E402
-from decode_timeline import DENSE, dense_attention, no_mask  # noqa: E402
+from common import environment, record_graph, speed_config, sync, write_json  # noqa: E402
+from decode_timeline import DENSE, dense_attention, dense_step, no_mask  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -111,29 +111,15 @@ def dense_wave(model: Any, prompts: list[torch.Tensor], new: int, device: torch.
         for layer in cache.layers:
             layer.cumulative_length.fill_(n)
         token, position = first.clone(), torch.full_like(first, n)
+        saved = [layer.cumulative_length.clone() for layer in cache.layers]
 
-        def step() -> None:
-            out = model(input_ids=token, position_ids=position, **{keyword: cache}, use_cache=True,
-                        logits_to_keep=1).logits
-            token.copy_(out[:, -1:].argmax(dim=-1))
-            position.add_(1)
-
-        run = step
-        if device.type == "cuda":   # recorded after the prefills, at the wave's first step (inside the timing)
-            saved = [layer.cumulative_length.clone() for layer in cache.layers]
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            for layer, length in zip(cache.layers, saved, strict=True):
-                layer.cumulative_length.copy_(length)
+        def undo() -> None:   # recorded after the prefills, at the wave's first step (inside the timing)
             token.copy_(first)
             position.fill_(n)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run = graph.replay
+            for layer, length in zip(cache.layers, saved, strict=True):
+                layer.cumulative_length.copy_(length)
+
+        run = record_graph(dense_step(model, cache, token, position), device, warmup=1, undo=undo)
         for _ in range(new - 1):
             run()
     sync(device)

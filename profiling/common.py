@@ -66,6 +66,26 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
     return statistics.median(times)
 
 
+def record_graph(step: Callable[[], object], device: torch.device, warmup: int = 2,
+                 undo: Callable[[], None] | None = None) -> Callable[[], object]:
+    """``step`` recorded as a CUDA graph, after ``warmup`` calls on a side stream and ``undo`` of what they changed;
+    returns the graph's replay (off CUDA, ``step`` itself)."""
+    if device.type != "cuda":
+        return step
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    if undo is not None:
+        undo()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def attention_inputs(b: int, hq: int, hkv: int, n: int, d: int, dtype: torch.dtype, device: torch.device,
                      kind: str = "random", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]``.

@@ -46,7 +46,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, time_ms, write_json  # noqa: E402
+from common import environment, record_graph, time_ms, write_json  # noqa: E402
 
 from flexentropy.kv.decode_attention import flash_decode, grouped_attention, split_count  # noqa: E402
 
@@ -134,16 +134,7 @@ ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
 
 def replay_ms(step: Callable[[], object], device: torch.device) -> float:
     """Median ms of one replay of a CUDA graph holding ``step`` (after warm-up calls outside the graph)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return time_ms(graph.replay, device, warmup=3, reps=20)
+    return time_ms(record_graph(step, device, warmup=3), device, warmup=3, reps=20)
 
 
 def attention_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:

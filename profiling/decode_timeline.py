@@ -51,7 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, speed_config, sync, write_json  # noqa: E402
+from common import environment, record_graph, speed_config, sync, write_json  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -85,6 +85,20 @@ def no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def dense_step(model: Any, cache: Any, token: torch.Tensor, position: torch.Tensor) -> Callable[[], None]:
+    """The dense baseline's decode step over ``cache`` (a ``StaticCache``): ``token [B, 1]`` in, its greedy next
+    token written back in place, ``position`` advanced (everything a CUDA graph of it needs is in place)."""
+    keyword = cache_keyword(model)
+
+    def step() -> None:
+        out = model(input_ids=token, position_ids=position, **{keyword: cache}, use_cache=True,
+                    logits_to_keep=1).logits
+        token.copy_(out[:, -1:].argmax(dim=-1))
+        position.add_(1)
+
+    return step
+
+
 def dense_rows(model: Any, ids: torch.Tensor, news: list[int], device: torch.device) -> Iterator[dict]:
     from transformers import AttentionInterface, StaticCache
     from transformers.masking_utils import AttentionMaskInterface
@@ -113,25 +127,7 @@ def dense_rows(model: Any, ids: torch.Tensor, news: list[int], device: torch.dev
                 for layer, length in zip(cache.layers, lengths, strict=True):
                     layer.cumulative_length.copy_(length)
 
-            def step() -> None:
-                out = model(input_ids=token, position_ids=position, **{keyword: cache}, use_cache=True,
-                            logits_to_keep=1).logits
-                token.copy_(out[:, -1:].argmax(dim=-1))
-                position.add_(1)
-
-            run = step
-            if device.type == "cuda":
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        step()
-                torch.cuda.current_stream(device).wait_stream(stream)
-                restore()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                run = graph.replay
+            run = record_graph(dense_step(model, cache, token, position), device, undo=restore)
             for new in news:
                 restore()
                 tokens = []

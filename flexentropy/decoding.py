@@ -58,6 +58,25 @@ def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: 
     return torch.cat(out, dim=1)
 
 
+def decode_settings(model: Any, device: torch.device, compile_config: Any, compiled: bool | None
+                    ) -> tuple[Any, bool]:
+    """``(compile_config, compiled)`` of a decoding loop, as ``generate`` chooses them: the model's
+    ``CompileConfig`` when none is given; compiled on CUDA, or anywhere with a config whose
+    ``_compile_all_devices`` is set, unless ``compiled`` says otherwise."""
+    if compile_config is None:
+        compile_config = getattr(model.generation_config, "compile_config", None)
+    if compiled is None:
+        compiled = device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
+    return compile_config, compiled
+
+
+def served_config(model: Any, cache: Any) -> Any:
+    """The `EntropyConfig` a loop serves with: ``cache``'s, else the model's (as `flexentropy.enable` stored it)."""
+    from flexentropy.integrations.hf import CONFIG_ATTR, parse_settings
+
+    return cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+
+
 def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: int, *,
                     attention_mask: torch.Tensor | None = None, compile_config: Any = None,
                     compiled: bool | None = None) -> torch.Tensor:
@@ -110,13 +129,10 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     else:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    if compile_config is None:
-        compile_config = getattr(model.generation_config, "compile_config", None)
-    if compiled is None:
-        compiled = input_ids.device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
+    compile_config, compiled = decode_settings(model, input_ids.device, compile_config, compiled)
     keyword = {cache_keyword(model): cache}
     if isinstance(cache, StaticLatentKVCache):
-        driver = step_driver(model, compile_config if compiled else None, input_ids.device, compiled=compiled)
+        driver = step_driver(model, compile_config, input_ids.device, compiled=compiled)
 
         def call(tokens: torch.Tensor, position: torch.Tensor) -> Any:
             return driver(tokens, position, cache)
@@ -173,7 +189,6 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.latent_kv import LatentKVCache
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.hf import CONFIG_ATTR, parse_settings
     from flexentropy.integrations.step_driver import step_driver
 
     check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
@@ -184,18 +199,14 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
             raise ValueError(f"generate_batch expects each prompt as int64 token ids [N >= 1]; prompt {index} is {got}")
     if cache is not None and not isinstance(cache, StaticLatentKVCache):
         raise TypeError(f"generate_batch serves with a StaticLatentKVCache, got {type(cache).__name__}")
-    if config is None:
-        config = cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+    config = served_config(model, cache) if config is None else config
     config = config.replace(decode_delay=0)
     cache = StaticLatentKVCache(config, model=model) if cache is None else cache
     if cache.config.decode_delay != 0 or cache.config != config:
         raise ValueError("generate_batch: the cache's EntropyConfig must be the one it serves with, decode_delay=0")
     device = model.device
-    if compile_config is None:
-        compile_config = getattr(model.generation_config, "compile_config", None)
-    if compiled is None:
-        compiled = device.type == "cuda" or bool(getattr(compile_config, "_compile_all_devices", False))
-    driver = step_driver(model, compile_config if compiled else None, device, compiled=compiled)
+    compile_config, compiled = decode_settings(model, device, compile_config, compiled)
+    driver = step_driver(model, compile_config, device, compiled=compiled)
     single, keyword = LatentKVCache(config, model=model), cache_keyword(model)
     rows = min(rows, len(prompts))
     waiting = deque(enumerate(prompts))
@@ -310,12 +321,12 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         seconds each length took, ``{length: seconds}``.
     """
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.hf import CONFIG_ATTR, cache_keyword, parse_settings
+    from flexentropy.integrations.hf import cache_keyword
 
     if cache is not None and not isinstance(cache, StaticLatentKVCache):
         raise TypeError(f"warm_up warms a StaticLatentKVCache, got {type(cache).__name__}")
     if config is None:
-        config = cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+        config = served_config(model, cache)
     if lengths is None:
         start = config.dense_prefix + config.segment_size
         lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)

@@ -63,6 +63,7 @@ from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
+from flexentropy.integrations.step_driver import recorded_steps  # noqa: E402
 from flexentropy.sparse.kernel import flash_available, kernel_options  # noqa: E402
 
 BANDWIDTH = 4.3e12
@@ -288,6 +289,12 @@ class GraphRecordings:
 RECORDINGS = GraphRecordings()
 
 
+def graphs_recorded(model) -> int:
+    """CUDA graphs recorded so far: by torch's graph trees (`RECORDINGS`: dense's compiled ``StaticCache`` steps) and
+    by ``model``'s step drivers (a `StaticLatentKVCache`'s steps, which the driver records itself)."""
+    return RECORDINGS.count + recorded_steps(model)
+
+
 def generate_s(model, ids: torch.Tensor, cache, new: int, device: torch.device, clock: StepClock | None = None,
                **kwargs) -> tuple[float, list]:
     from transformers import LogitsProcessorList
@@ -364,10 +371,10 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
     def flexentropy_row(kind: str) -> dict:
         fe.enable(model, cfg, prefill="entropy")
         clock = StepClock(device)
-        recorded = RECORDINGS.count
+        recorded = graphs_recorded(model)
         seconds, _ = generate_s(model, ids, serve(cfg), new, device, clock, compile_config=cc)
         return {"part": "e2e", "variant": f"flexentropy_{kind}{args.tag}", "n": n, "new_tokens": new,
-                "total_s": seconds, "cuda_graphs_recorded": RECORDINGS.count - recorded,
+                "total_s": seconds, "cuda_graphs_recorded": graphs_recorded(model) - recorded,
                 **clock.summary(cfg.decode_delay), "density": prefill_density(model),
                 "segment_size": cfg.segment_size, "probe_kernel": args.probe_kernel,
                 "flash_attn": environment()["flash_attn"]}
@@ -417,10 +424,10 @@ def e2e_rows(model, args, device: torch.device) -> Iterator[dict]:
         t0 = time.perf_counter()
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=True, cache=serve(cfg))
         warm_s = time.perf_counter() - t0
-        recorded = RECORDINGS.count
+        recorded = graphs_recorded(model)
         timed = {tokens: loop_s(model, ids, serve(cfg), tokens, device, cc) for tokens in (new, 1)}
         return {"part": "e2e", "variant": f"flexentropy_loop{args.tag}", "n": n, "new_tokens": new,
-                "total_s": timed[new], "ttft_s": timed[1], "cuda_graphs_recorded": RECORDINGS.count - recorded,
+                "total_s": timed[new], "ttft_s": timed[1], "cuda_graphs_recorded": graphs_recorded(model) - recorded,
                 "decode_step_ms": (timed[new] - timed[1]) / (new - 1) * 1e3, "warm_up_loop_s": warm_s,
                 "density": prefill_density(model), "flash_attn": environment()["flash_attn"]}
 
@@ -564,7 +571,7 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
         serving = fe.StaticLatentKVCache(cfg, model=model)
         fe.warm_up(model, args.warm_lengths, config=cfg, compile_config=cc, loop=loop, cache=serving)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        recorded = RECORDINGS.count
+        recorded = graphs_recorded(model)
         per_length = {}
         for length in args.check_lengths:
             ids = torch.randint(100, vocab, (1, length), device=device, generator=gen)
@@ -577,12 +584,12 @@ def checks_rows(llama: Callable[[], object], args, device: torch.device) -> Iter
             per_length[str(length)] = {"steps": steps, "seconds": seconds, "cache_gib": cache.nbytes() / 2**30,
                                        "graphs_since_warm_up":
                                            int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
-                                       "cuda_graphs_recorded_since_warm_up": RECORDINGS.count - recorded}
+                                       "cuda_graphs_recorded_since_warm_up": graphs_recorded(model) - recorded}
         return {"part": "checks", "variant": "recompiles_after_warm_up" + ("_loop" if loop else "")
                 + ("_new_cache" if args.new_cache else ""),
                 "per_length": per_length,
                 "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
-                "cuda_graphs_recorded": RECORDINGS.count - recorded}
+                "cuda_graphs_recorded": graphs_recorded(model) - recorded}
 
     checks = {"identity": identity, "dense_control": dense_control, "uncaptured": uncaptured, "float32": float32,
               "recompiles": recompiles, "recompiles_loop": functools.partial(recompiles, loop=True)}

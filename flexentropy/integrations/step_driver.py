@@ -147,6 +147,12 @@ def hf_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cac
     return model(input_ids=tokens, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
 
 
+def recorded_steps(model: nn.Module) -> int:
+    """CUDA graphs ``model``'s drivers have recorded so far (every cache, stage and batch)."""
+    return sum(len(recordings) for driver in _DRIVERS.get(model, {}).values()
+               for recordings in driver.recordings.values())
+
+
 def forget_drivers(model: nn.Module) -> None:
     """Drop ``model``'s drivers (and their recordings): `flexentropy.disable`."""
     _DRIVERS.pop(model, None)

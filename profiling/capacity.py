@@ -11,8 +11,8 @@ Parts (``--parts``; every row is written to ``--out`` as it completes):
   - ``dense``: the largest batch whose KV fits beside the weights and one prompt's prefill (``--dense-batch``, or
     measured: `dense_rows`): each prompt prefilled alone on cuDNN SDPA, its KV copied into its row of one
     transformers ``StaticCache``, then all rows decoded together, the step captured whole in one CUDA graph with its
-    attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense decode); waves of that many
-    requests until all are done.
+    attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense decode). Every wave of
+    that many requests is the same, so one full wave is timed: its requests per minute are dense's rate.
   - ``flexentropy``: `fe.generate_batch` with ``--rows`` rows (prefill alone, evicted at the end of each prompt,
     decoded together in one recorded step; a row that ends takes the next prompt).
   Per row: requests per minute, generated tokens per second, the batch, peak memory.
@@ -139,11 +139,12 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
     model.set_attn_implementation(DENSE)
     rows = args.dense_batch or dense_rows(model, prompts[0], new, device)   # also warms cuDNN's plans
     reset_peak(device)
-    seconds = sum(dense_wave(model, prompts[i:i + rows], new, device) for i in range(0, len(prompts), rows))
+    wave = prompts[:rows] + prompts_of(model, max(0, rows - len(prompts)), n, device)
+    seconds = dense_wave(model, wave, new, device)   # every wave is the same: one gives the rate
     model.set_attn_implementation(previous)
-    yield {"part": "batch", "variant": "dense", "n": n, "new_tokens": new, "requests": len(prompts),
-           "batch": rows, "seconds": seconds, "requests_per_minute": len(prompts) / seconds * 60,
-           "tokens_per_s": len(prompts) * new / seconds, "peak_gib": peak_gib(device)}
+    yield {"part": "batch", "variant": "dense", "n": n, "new_tokens": new, "requests": rows, "batch": rows,
+           "seconds": seconds, "requests_per_minute": rows / seconds * 60, "tokens_per_s": rows * new / seconds,
+           "peak_gib": peak_gib(device)}
     cfg = speed_config(base_budget=args.prefill_budget)
     fe.enable(model, cfg)
     cache = fe.StaticLatentKVCache(cfg.replace(decode_delay=0), model=model)

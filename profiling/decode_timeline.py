@@ -24,6 +24,11 @@ Parts (``--parts``):
   and the GPU's busy and idle time per step, written beside the JSON (``*_profile.txt``).
 * ``check``: greedy tokens of the recorded steps against the same steps run eagerly, and of ``generate`` against
   `greedy_generate`, on a 2k prompt at a covering budget (the first difference).
+* ``scores``: the first eviction's scoring of one layer at the context (random bf16 window queries and keys of the
+  8B shape): the float32 eager path (the keys copied to float32, a float32 GEMM, then softmax, masks and means one
+  pass each: what the first eviction ran before) against the library's (a GEMM with a float32 output, then one
+  compiled pass for the rows' statistics and one for the sums), timed, with their largest relative difference and
+  the share of kept entries they agree on (`keep_indices` of the pooled, spread scores at the default budget).
 * ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts)`` then one request of the
   first N, timed from the warm-up's start (run it in fresh processes, with a kept ``TORCHINDUCTOR_CACHE_DIR`` or
   the artifacts file, to see what each saves).
@@ -51,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, record_graph, speed_config, sync, write_json  # noqa: E402
+from common import environment, record_graph, speed_config, sync, time_ms, write_json  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
@@ -360,6 +365,46 @@ def check_row(model: Any, device: torch.device, n: int = 2048, new: int = 64) ->
             "generate_vs_loop_first_difference": first_difference(runs["generate"], runs["recorded"])}
 
 
+def scores_row(model: Any, n: int, device: torch.device) -> dict:
+    """The ``scores`` part (module docstring): one layer's scoring at the first eviction, eager float32 against the
+    library's path."""
+    from flexentropy.kv import keep_indices, pool_scores, spread_forward, window_attention_scores
+    from flexentropy.kv.scoring import softmax_scores
+
+    cfg, text = fe.EntropyConfig(), model.config
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    dim, window = text.hidden_size // heads, cfg.decode_window
+    gen = torch.Generator(device=device).manual_seed(11)
+    keys = torch.randn(1, kv_heads, n, dim, device=device, dtype=torch.bfloat16, generator=gen)
+    queries = keys[:, :, -window:].repeat_interleave(heads // kv_heads, dim=1) + torch.randn(
+        1, heads, window, dim, device=device, dtype=torch.bfloat16, generator=gen)   # attend their neighbourhood
+    positions = dict(query_positions=torch.arange(n - window, n, device=device),
+                     key_positions=torch.arange(n, device=device))
+
+    def eager_float32() -> torch.Tensor:
+        group = heads // kv_heads
+        q = queries.float().view(kv_heads, group * window, dim)
+        logits = (q @ keys[0].float().transpose(1, 2)).view(kv_heads, group, window, n)
+        return softmax_scores(logits, positions["key_positions"].view(1, n), positions["query_positions"], None,
+                              dim**-0.5, "mean", compiled=False).view(1, kv_heads, n)
+
+    def library() -> torch.Tensor:
+        return window_attention_scores(queries, keys, **positions)
+
+    def kept(scores: torch.Tensor) -> torch.Tensor:
+        ranked = spread_forward(pool_scores(scores, cfg.decode_pool), cfg.decode_span)
+        return keep_indices(ranked, cfg.decode_budget, window)
+
+    with torch.no_grad():
+        want, got = eager_float32(), library()
+        agree = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(kept(want)[0], kept(got)[0], strict=True))
+        return {"part": "scores", "variant": "first_eviction_one_layer", "n": n, "window": window,
+                "eager_float32_ms": time_ms(eager_float32, device), "library_ms": time_ms(library, device),
+                "keep_ms": time_ms(lambda: kept(got), device),
+                "max_relative_difference": float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()),
+                "kept_agreement": agree / (kv_heads * cfg.decode_budget)}
+
+
 def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
     """A fresh process's first request, timed from the start of ``fe.warm_up``."""
     cfg = speed_config(base_budget=args.prefill_budget)
@@ -482,6 +527,8 @@ def main(argv: list[str] | None = None) -> None:
         guarded("flexentropy", lambda: flexentropy_rows(model, ids, args, device, out))
     if "check" in parts:
         guarded("check", lambda: iter([check_row(model, device)]))
+    if "scores" in parts:
+        guarded("scores", lambda: iter([scores_row(model, args.context, device)]))
     if "coldstart" in parts:
         guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device)]))
 

@@ -128,6 +128,34 @@ def test_window_scores_float32_for_bf16_inputs():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_compiled_window_scores_match_reference():
+    """The compiled scoring pass (what CUDA runs) on the CPU: the reference's scores over evicted positions, hidden
+    keys, a query that sees nothing and both group modes, and one graph for every number of keys and rows."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    from flexentropy.kv.scoring import softmax_scores, window_logits
+
+    gen = torch.Generator().manual_seed(5)
+    graphs = None
+    for rows, length in ((2, 40), (3, 77), (2, 130)):
+        q, k = _randn(gen, rows, 8, 4, 16, dtype=torch.float32), _randn(gen, rows, 2, length, 16, dtype=torch.float32)
+        key_positions = torch.randint(1, 4, (rows, 2, length), generator=gen).cumsum(-1)
+        query_positions = key_positions[0, 0, -4:].clone()
+        query_positions[0] = 0                                         # sees no key: adds nothing
+        hidden = torch.rand(rows, 2, length, generator=gen) > 0.2
+        logits = window_logits(q.view(rows * 2, 16, 16), k.flatten(0, 1), torch.float32).view(rows * 2, 4, 4, length)
+        for mode in ("mean", "max"):
+            got = softmax_scores(logits, key_positions.flatten(0, 1), query_positions, hidden.flatten(0, 1), 0.25,
+                                 mode, compiled=True)
+            want = ref.window_attention_scores(q, k, query_positions, key_positions, scale=0.25, key_mask=hidden,
+                                               group_mode=mode)
+            torch.testing.assert_close(got.view(rows, 2, length).double(), want, rtol=1e-5, atol=1e-6)
+        count = len(get_compilation_metrics())
+        assert graphs is None or count == graphs, "a new number of keys or rows compiled a new graph"
+        graphs = count
+
+
 @settings(max_examples=30, deadline=None)
 @given(width=st.sampled_from([1, 3, 5, 7]), length=st.integers(1, 20), seed=st.integers(0, 2**16))
 def test_pool_scores_match_reference(width, length, seed):
@@ -164,12 +192,15 @@ def test_a_span_past_the_scores_costs_their_length_and_a_huge_decode_span_is_ref
 
 @settings(max_examples=60, deadline=None)
 @given(length=st.integers(1, 30), budget=st.integers(1, 35), forced=st.integers(0, 30), as_mask=st.booleans(),
-       ties=st.booleans(), seed=st.integers(0, 2**16))
-def test_keep_indices_match_reference(length, budget, forced, as_mask, ties, seed):
+       ties=st.booleans(), infinite=st.booleans(), seed=st.integers(0, 2**16))
+def test_keep_indices_match_reference(length, budget, forced, as_mask, ties, infinite, seed):
     gen = torch.Generator().manual_seed(seed)
     forced = min(forced, length, budget)
     # Integer-valued scores make many exact ties: both sides must break them towards the lower index.
     scores = torch.randint(0, 3, (2, 3, length), generator=gen).double() if ties else _randn(gen, 2, 3, length)
+    if infinite:   # padding ranks at -inf; an overflowing score at +inf must not push out a forced entry
+        scores[torch.rand(scores.shape, generator=gen) < 0.3] = float("-inf")
+        scores[torch.rand(scores.shape, generator=gen) < 0.3] = float("inf")
     if as_mask:
         mask = torch.zeros(2, 3, length, dtype=torch.bool)
         for row in mask.view(-1, length):

@@ -60,11 +60,10 @@ def keep_indices(scores: torch.Tensor, budget: int, forced: int | torch.Tensor =
         raise ValueError(f"{most} forced entries in one head exceed the budget of {budget}")
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(scores.shape).clone()
-    # Rank by score (descending, ties to the lower index), then move the forced entries to the front: two stable sorts.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    forced_first = torch.sort(forced_mask.expand(scores.shape).gather(-1, order).to(torch.int8), dim=-1,
-                              descending=True, stable=True).indices
-    return order.gather(-1, forced_first[..., :budget]).sort(dim=-1).values
+    # One stable sort: the forced entries first (above every score, an infinite one cut to the largest finite),
+    # then the others by score, descending, ties to the lower index.
+    ranked = scores.clamp(max=torch.finfo(scores.dtype).max).masked_fill_(forced_mask, float("inf"))
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :budget].sort(dim=-1).values
 
 
 def gather_kv(

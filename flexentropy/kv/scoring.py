@@ -12,8 +12,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.fx.experimental import _config as shape_config
 
 from flexentropy._checks import is_int
+from flexentropy._compile import keep_dynamic, no_silent_fallback
 
 SCORE_KINDS = ("softmax", "raw")
 GROUP_MODES = ("mean", "max")
@@ -85,19 +87,66 @@ def window_attention_scores(
 
     dtype = torch.promote_types(window_q.dtype, torch.float32)
     group = q_heads // kv_heads
-    q = rearrange(window_q.to(dtype), "b (h g) w d -> b h (g w) d", g=group)
-    logits = rearrange(q @ keys.to(dtype).transpose(-1, -2), "b h (g w) t -> b h g w t", g=group)
-    # [W, T] or [B, Hkv, W, T], then a singleton axis for the group's query heads.
-    visible = (key_positions.unsqueeze(-2) <= query_positions.unsqueeze(-1)).unsqueeze(-3)
-    if key_mask is not None:
-        visible = visible & key_mask[:, :, None, None, :]
+    q = rearrange(window_q, "b (h g) w d -> (b h) (g w) d", g=group)
+    logits = window_logits(q, keys.flatten(0, 1), dtype).view(batch * kv_heads, group, window, length)
+    # [1, T] (every head holds the same positions) or [B * Hkv, T], and the keys no query sees, or None.
+    positions = key_positions.view(1, length) if key_positions.dim() == 1 else key_positions.flatten(0, 1)
+    hidden = None if key_mask is None else key_mask.flatten(0, 1)
     if kind == "raw":
-        per_head = logits.masked_fill_(~visible, 0.0).sum(dim=3)                          # [B, Hkv, G, T]
-        return per_head.sum(dim=2) if group_mode == "mean" else per_head.amax(dim=2)
-    logits.mul_(dim**-0.5 if scale is None else scale).masked_fill_(~visible, float("-inf"))
-    probs = logits.softmax(dim=-1).masked_fill_(~visible.any(dim=-1, keepdim=True), 0.0)  # sees nothing: adds 0
-    per_head = probs.mean(dim=3)                                                          # [B, Hkv, G, T]
-    return per_head.mean(dim=2) if group_mode == "mean" else per_head.amax(dim=2)
+        visible = (positions[:, None, :] <= query_positions[:, None])[:, None]           # [*, 1, W, T]
+        if hidden is not None:
+            visible = visible & hidden[:, None, None, :]
+        per_head = logits.masked_fill_(~visible, 0.0).sum(dim=2)                           # [B * Hkv, G, T]
+        scores = per_head.sum(dim=1) if group_mode == "mean" else per_head.amax(dim=1)
+    else:
+        scale = dim**-0.5 if scale is None else scale
+        scores = softmax_scores(logits, positions, query_positions, hidden, scale, group_mode)
+    return scores.view(batch, kv_heads, length)
+
+
+def window_logits(q: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, R, T]`` logits ``q [N, R, D] . keys [N, T, D]`` in ``dtype``: on CUDA, half-precision inputs go through
+    the GEMM with a float32 output (products exact, float32 accumulation) instead of a float32 copy of the keys."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype and dtype == torch.float32:
+        return torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
+    return q.to(dtype) @ keys.to(dtype).transpose(1, 2)
+
+
+def _softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor,
+                    hidden: torch.Tensor | None, scale: float, group_mode: str) -> torch.Tensor:
+    """``[N, T]`` mean softmax probability of each key under ``logits [N, G, W, T]`` (unscaled), query ``w`` seeing
+    the keys of ``positions [1 or N, T]`` up to ``query_positions[w]`` and not ``hidden [N, T]`` (False)."""
+    visible = (positions[:, None, :] <= query_positions[:, None])[:, None]                # [*, 1, W, T]
+    if hidden is not None:
+        visible = visible & hidden[:, None, None, :]
+    scaled = torch.where(visible, logits * scale, float("-inf"))
+    # A query that sees no key has lse -inf: its row is all hidden, so it adds 0 without a NaN reaching the sum.
+    probs = torch.where(visible, torch.exp(scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)), 0.0)
+    if group_mode == "mean":
+        return probs.mean(dim=(1, 2))
+    return probs.mean(dim=2).amax(dim=1)
+
+
+_compiled_softmax_scores = torch.compile(_softmax_scores, dynamic=True, fullgraph=True)
+
+
+def softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor,
+                   hidden: torch.Tensor | None, scale: float, group_mode: str, *, compiled: bool | None = None
+                   ) -> torch.Tensor:
+    """`_softmax_scores`, on CUDA (or with ``compiled=True``) as one compiled pass for the row statistics and one
+    for the sums over the window: the ``[N, G, W, T]`` logits are read twice and nothing of their size is written.
+    Eager elsewhere (``compiled=False``; inside an outer compile the outer graph traces it)."""
+    if compiled is None:
+        compiled = logits.is_cuda
+    if not compiled or torch.compiler.is_compiling():
+        return _softmax_scores(logits, positions, query_positions, hidden, scale, group_mode)
+    keep_dynamic(logits, dims=(0, -1))       # rows (layers x batch x KV heads) and keys: one graph for all
+    keep_dynamic(positions, dims=(-1,))
+    for dim in (1, 2):                        # the group and the window: the model's, one graph for each
+        torch._dynamo.mark_static(logits, dim)
+    # Without duck sizing, rows that happen to equal the group or the window stay a size of their own.
+    with no_silent_fallback(), shape_config.patch(use_duck_shape=False):
+        return _compiled_softmax_scores(logits, positions, query_positions, hidden, scale, group_mode)
 
 
 def pool_scores(scores: torch.Tensor, width: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ _LAZY = {
     "generate_batch": "flexentropy.decoding",
     "compile_step": "flexentropy.decoding",
     "fuse_projections": "flexentropy.integrations.fusion",
+    "chunk_mlp": "flexentropy.integrations.chunked_mlp",
 }
 
 
@@ -62,6 +63,7 @@ __all__ = [
     "SparsePlan",
     "StaticLatentKVCache",
     "allocate_budgets",
+    "chunk_mlp",
     "compile_step",
     "decode_attention",
     "disable",

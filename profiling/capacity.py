@@ -19,7 +19,7 @@ Parts (``--parts``; every row is written to ``--out`` as it completes):
 * ``long``: one prompt of each ``--contexts`` length: TTFT and peak memory of flexentropy's prefill into a
   `LatentKVCache` with ``decode_delay=0`` (each layer's full KV held only until its own attention has run), and of
   dense (cuDNN SDPA, `DynamicCache`) where its KV and activations fit, else the memory arithmetic that says it does
-  not.
+  not (``--variants``). Both run their MLPs in chunks of ``--mlp-chunk`` tokens (`fe.chunk_mlp`).
 
 ``--device cpu --tiny`` checks the harness on a small model; its timings mean nothing.
 """
@@ -138,13 +138,21 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
     AttentionMaskInterface.register(DENSE, no_mask)
     model.set_attn_implementation(DENSE)
     rows = args.dense_batch or dense_rows(model, prompts[0], new, device)   # also warms cuDNN's plans
-    reset_peak(device)
-    wave = prompts[:rows] + prompts_of(model, max(0, rows - len(prompts)), n, device)
-    seconds = dense_wave(model, wave, new, device)   # every wave is the same: one gives the rate
+    did_not_fit = None
+    while True:   # the estimate leaves the allocator's fragmentation out: one row fewer until a wave fits
+        reset_peak(device)
+        wave = prompts[:rows] + prompts_of(model, max(0, rows - len(prompts)), n, device)
+        try:
+            seconds = dense_wave(model, wave, new, device)   # every wave is the same: one gives the rate
+            break
+        except torch.OutOfMemoryError:
+            if rows == 1:
+                raise
+            did_not_fit, rows = rows, rows - 1
     model.set_attn_implementation(previous)
     yield {"part": "batch", "variant": "dense", "n": n, "new_tokens": new, "requests": rows, "batch": rows,
-           "seconds": seconds, "requests_per_minute": rows / seconds * 60, "tokens_per_s": rows * new / seconds,
-           "peak_gib": peak_gib(device)}
+           "batch_out_of_memory": did_not_fit, "seconds": seconds, "requests_per_minute": rows / seconds * 60,
+           "tokens_per_s": rows * new / seconds, "peak_gib": peak_gib(device)}
     cfg = speed_config(base_budget=args.prefill_budget)
     fe.enable(model, cfg)
     cache = fe.StaticLatentKVCache(cfg.replace(decode_delay=0), model=model)
@@ -164,21 +172,26 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
 def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     cfg = speed_config(base_budget=args.prefill_budget, decode_delay=0)
     keyword = cache_keyword(model)
+    fe.chunk_mlp(model, args.mlp_chunk)   # both sides: the MLPs' activations at 1M would not fit otherwise
     for n in args.contexts:
         ids = prompts_of(model, 1, n, device)[0][None]
-        fe.enable(model, cfg, keep_plans=False)
-        reset_peak(device)
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model(input_ids=ids, **{keyword: fe.LatentKVCache(cfg)}, use_cache=True, logits_to_keep=1)
-        sync(device)
-        yield {"part": "long", "variant": "flexentropy", "n": n, "ttft_s": time.perf_counter() - start,
-               "peak_gib": peak_gib(device)}
-        fe.disable(model)
+        if "flexentropy" in args.variants:
+            fe.enable(model, cfg, keep_plans=False)
+            reset_peak(device)
+            sync(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=ids, **{keyword: fe.LatentKVCache(cfg)}, use_cache=True, logits_to_keep=1)
+            sync(device)
+            yield {"part": "long", "variant": "flexentropy", "n": n, "mlp_chunk": args.mlp_chunk,
+                   "ttft_s": time.perf_counter() - start, "peak_gib": peak_gib(device)}
+            fe.disable(model)
+        if "dense" not in args.variants:
+            continue
+        reset_peak(device)   # what the run above left cached is free again
         kv = n * kv_bytes_per_token(model)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        row = {"part": "long", "variant": "dense_cudnn", "n": n, "kv_gib": kv / 2**30,
+        row = {"part": "long", "variant": "dense_cudnn", "n": n, "mlp_chunk": args.mlp_chunk, "kv_gib": kv / 2**30,
                "free_gib": None if free is None else free / 2**30}
         if free is not None and kv > free:
             row["result"] = "does not fit: its KV alone exceeds the free memory"
@@ -208,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--dense-batch", type=int, default=None, help="default: the most rows whose KV fits")
     p.add_argument("--contexts", type=int, nargs="+", default=[524288, 1048576])
+    p.add_argument("--variants", default="flexentropy,dense", help="long: which sides run")
+    p.add_argument("--mlp-chunk", type=int, default=65536, help="long: fe.chunk_mlp's tokens, on both sides")
     p.add_argument("--prefill-budget", type=int, default=3328)
     p.add_argument("--warm-length", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)

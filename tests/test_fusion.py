@@ -73,3 +73,31 @@ def test_validation() -> None:
     fe.fuse_projections(fused)
     with pytest.raises(ValueError, match="found no group to fuse"):   # already fused
         fe.fuse_projections(fused)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_chunked_mlps_give_the_same_logits(fuse: bool) -> None:
+    """`fe.chunk_mlp`: a prompt longer than the chunk runs its MLPs chunk by chunk (the chunks' rows fill one output)
+    with the whole forward's logits, fused or not; ``None`` restores the whole-sequence MLPs."""
+    plain, chunked = pair("llama")
+    if fuse:
+        fe.fuse_projections(chunked)
+    calls: list[int] = []
+    mlp = chunked.model.layers[0].mlp
+    inner = type(mlp).forward
+    assert fe.chunk_mlp(chunked, 16) == COMMON["num_hidden_layers"]
+    mlp.forward.forward = lambda x: calls.append(x.shape[-2]) or inner(mlp, x)   # the chunks it runs
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = plain(ids).logits
+        torch.testing.assert_close(chunked(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        assert calls == [16, 16, 8]
+        torch.testing.assert_close(chunked(ids[:, :12]).logits, plain(ids[:, :12]).logits, atol=1e-5, rtol=1e-5)
+        assert calls[3:] == [12]                                                          # short: whole
+        assert fe.chunk_mlp(chunked, None) == COMMON["num_hidden_layers"]
+        assert "forward" not in mlp.__dict__
+        torch.testing.assert_close(chunked(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="chunk_mlp.tokens must be"):
+        fe.chunk_mlp(chunked, 0)
+    with pytest.raises(ValueError, match="found no MLP in Linear"):
+        fe.chunk_mlp(nn.Linear(2, 2), 8)

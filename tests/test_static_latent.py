@@ -112,6 +112,28 @@ def test_memory_bounded_and_shapes_static() -> None:
     assert cache.stored_length(1) <= cache.capacity
 
 
+@pytest.mark.slow
+def test_compiled_step_writes_its_token_in_place() -> None:
+    """A step's write, compiled, touches its token's entries only: no kernel runs over a whole buffer (a ``scatter_``
+    into a buffer the step reads becomes a copy of the buffer in the compiled graph: 17 GB a step over the prompt
+    buffers at 128k on an 8B model)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flexentropy.caches.static_buffers import StaticBuffers
+
+    buffers = StaticBuffers(4099)
+    buffers.allocate(1, torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8))
+    key, value = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
+    slot, position = torch.tensor([1, 4098]), torch.tensor([7, 9])
+    _, code = run_and_get_code(torch.compile(lambda: buffers.write(0, key, value, slot, position)))
+    assert not any(str(n) in source for source in code for n in (2 * 3 * 4099 * 8, 2 * 3 * 4099)), \
+        "a kernel of the compiled write runs over a whole buffer"
+    assert torch.equal(buffers.keys[0][[0, 1], :, [1, 4098]], key[:, :, 0])
+    assert torch.equal(buffers.values[0][[0, 1], :, [1, 4098]], value[:, :, 0])
+    assert buffers.positions[0][[0, 1], :, [1, 4098]].tolist() == [[7] * 3, [9] * 3]
+    assert int(buffers.real[0].sum()) == 6 and bool(buffers.real[0][[0, 1], :, [1, 4098]].all())
+
+
 def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
     """Phase 1 holds the whole prompt: its one-token appends write into slots reserved past the prompt (the keys
     keep their address; a copy of every entry per step reads and writes 16 GiB at 128k on an 8B model), and the

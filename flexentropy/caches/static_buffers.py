@@ -107,15 +107,17 @@ class StaticBuffers:
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
               position: torch.Tensor) -> None:
         """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (int64 ``[B]``), at each row's
-        slot ``slot`` (int64 ``[B]``) of layer ``layer_idx``, in place."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        slot ``slot`` (int64 ``[B]``) of layer ``layer_idx``, in place.
+
+        Indexed writes (``index_put_``), which the compiled step makes in place; a ``scatter_`` there becomes a copy
+        of the whole buffer, every step."""
         batch, heads = key.shape[:2]
-        at = slot.view(batch, 1, 1)
-        keys.scatter_(2, at[..., None].expand(batch, heads, 1, keys.shape[-1]), key.to(keys.dtype))
-        values.scatter_(2, at[..., None].expand(batch, heads, 1, values.shape[-1]), value.to(values.dtype))
-        self.positions[layer_idx].scatter_(2, at.expand(batch, heads, 1), position.view(batch, 1, 1).expand(
-            batch, heads, 1))
-        self.real[layer_idx].scatter_(2, at.expand(batch, heads, 1), True)
+        at = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
+              slot[:, None])                                                       # [B, Hkv] entries
+        self.keys[layer_idx].index_put_(at, key[:, :, 0].to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_put_(at, value[:, :, 0].to(self.values[layer_idx].dtype))
+        self.positions[layer_idx].index_put_(at, position[:, None].expand(batch, heads))
+        self.real[layer_idx].index_put_(at, torch.ones((), dtype=torch.bool, device=slot.device))
 
     def attend(self, layer_idx: int, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
                scale: float | None) -> torch.Tensor:

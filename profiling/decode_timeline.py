@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -414,9 +415,14 @@ def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, devic
     fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts)
     warm = time.perf_counter() - t0
     request = request_s(model, ids, cache, args.new_tokens[0], device, loop=False)
+    from torch._dynamo.utils import get_compilation_metrics
+
+    frames = get_compilation_metrics()   # what dynamo traced (and inductor compiled or took from its caches)
     return {"part": "coldstart", "variant": args.tag or "coldstart", "warm_up_s": warm, "request_s": request,
             "first_request_done_s": warm + request, "artifacts": args.artifacts,
-            "artifacts_existed": args.artifacts_existed}
+            "artifacts_existed": args.artifacts_existed, "graphs": len(frames),
+            "graphs_s": sum(m.entire_frame_compile_time_s or 0.0 for m in frames),
+            "flash_attn_cache": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1"}
 
 
 PHASES = {"static": "static steps", "phase1": "phase-1 steps", "first_eviction": "first eviction",

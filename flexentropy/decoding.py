@@ -175,7 +175,9 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
         model: an HF causal LM switched by `flexentropy.enable`.
         prompts: int64 token ids, ``[N_i]`` each (any lengths).
         max_new_tokens: most tokens per prompt, its prompt's greedy next token included.
-        rows: batch rows decoded together.
+        rows: batch rows decoded together: the batch size of the one recorded step, whatever the number of prompts
+            (rows without a prompt idle through it), so that a warm-up with a few prompts records the step that
+            serves many.
         config: the `EntropyConfig` of the caches (default: the model's, as `enable` stored it); its
             ``decode_delay`` is taken as 0.
         cache: the batched `StaticLatentKVCache` to serve with (default: a new one); reusing one keeps its buffers
@@ -208,7 +210,6 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     compile_config, compiled = decode_settings(model, device, compile_config, compiled)
     driver = step_driver(model, compile_config, device, compiled=compiled)
     single, keyword = LatentKVCache(config, model=model), cache_keyword(model)
-    rows = min(rows, len(prompts))
     waiting = deque(enumerate(prompts))
     outputs: list[torch.Tensor | None] = [None] * len(prompts)
     owner = [-1] * rows                                   # the prompt each row decodes (-1: idle)

@@ -270,23 +270,24 @@ def flexentropy_rows(model: Any, ids: torch.Tensor, args: argparse.Namespace, de
         t0 = time.perf_counter()
         fe.warm_up(model, args.warm_lengths, cache=cache, loop=loop)
         yield {"part": "flexentropy", "variant": f"warm_up_{via}", "seconds": time.perf_counter() - t0}
-        ttft = request_s(model, ids, cache, 1, device, loop)
+        # medians of --repeats runs: one TTFT's noise (~0.1 s) alone moves (t_256 - t_1) / 255 by 0.4 ms
+        ttfts = [request_s(model, ids, cache, 1, device, loop) for _ in range(args.repeats)]
+        ttft = statistics.median(ttfts)
         for index, new in enumerate(args.new_tokens):
-            recorder = StepRecorder(model, cache, device) if index == 0 else None
-            if recorder:
-                recorder.active = True
-            try:
-                total = request_s(model, ids, cache, new, device, loop)
-                if recorder:
-                    recorder.finished = time.perf_counter()
-            finally:
-                if recorder:
-                    recorder.remove()
+            totals = [request_s(model, ids, cache, new, device, loop) for _ in range(args.repeats)]
+            total = statistics.median(totals)
             row = {"part": "flexentropy", "variant": f"flexentropy_{via}", "n": n, "new_tokens": new,
                    "ttft_s": ttft, "total_s": total, "per_token_ms": (total - ttft) / (new - 1) * 1e3,
-                   "density": prefill_density(model)}
-            if recorder:
-                timeline = recorder.summary(total, ttft, new)
+                   "ttft_runs_s": ttfts, "total_runs_s": totals, "density": prefill_density(model)}
+            if index == 0:   # one more run, its steps recorded (the events add a little to it)
+                recorder = StepRecorder(model, cache, device)
+                recorder.active = True
+                try:
+                    recorded = request_s(model, ids, cache, new, device, loop)
+                    recorder.finished = time.perf_counter()
+                finally:
+                    recorder.remove()
+                timeline = recorder.summary(recorded, ttft, new)
                 row["phases"] = timeline["phases"]
                 row["attribution_per_token"] = timeline["attribution_per_token"]
                 write_json(out.with_name(f"{out.stem}_steps_{via}.json"), {"steps": timeline["steps"]})
@@ -486,6 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
     p.add_argument("--artifacts", default=None, help="coldstart: fe.warm_up's artifacts file")
     p.add_argument("--tag", default="", help="coldstart: the row's variant")
+    p.add_argument("--repeats", type=int, default=3, help="flexentropy: runs of each request, their median")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")

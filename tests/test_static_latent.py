@@ -855,13 +855,16 @@ def test_a_batch_of_prompts_gives_each_its_own_tokens(config: fe.EntropyConfig) 
 
 @pytest.mark.slow
 def test_a_batch_of_prompts_compiles_one_step_with_the_eager_tokens() -> None:
-    """`fe.generate_batch` through the compiled step (inductor on the CPU): one graph, no break, the eager tokens."""
+    """`fe.generate_batch` through the compiled step (inductor on the CPU): one graph, no break, the eager tokens; a
+    call with one prompt for two rows runs the same step."""
     model = model_for("llama", EVICTING)
     prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     got = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compile_config=cpu_compile("inductor"))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    alone = fe.generate_batch(model, prompts[:1], 30, rows=2, config=EVICTING, compile_config=cpu_compile("inductor"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1   # fewer prompts than rows: the same step
     assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch.equal(alone[0], got[0])
     eager = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compiled=False)
     assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))

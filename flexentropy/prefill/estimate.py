@@ -111,10 +111,11 @@ def probe_rows_per_chunk(probes: int, limit: int, per_row: int) -> int:
     return max(probes, limit // per_row // probes * probes)
 
 
-def segment_means(masses: list[torch.Tensor], probes: int) -> torch.Tensor:
-    """Per-segment mean of the probe rows' block masses: ``masses`` are ``[B, Hq, R_i, C_B]`` chunks of the rows in
-    order (`probe_positions` flattened); returns ``[B, Hq, C_S, C_B]``."""
-    return rearrange(torch.cat(masses, dim=-2), "b h (s p) c -> b h s p c", p=probes).mean(dim=-2)
+def segment_means(mass: torch.Tensor, probes: int) -> torch.Tensor:
+    """Per-segment mean of the probe rows' block masses ``mass [B, Hq, R, C_B]``, rows of whole segments in order
+    (`probe_positions` flattened): ``[B, Hq, R / probes, C_B]``. Each chunk of rows is reduced as it comes, so the
+    rows of every probe are never held at once (at 1M tokens they would be ``probes`` times the result)."""
+    return rearrange(mass, "b h (s p) c -> b h s p c", p=probes).mean(dim=-2)
 
 
 def probe_row_position(row: torch.Tensor, probes: int | torch.Tensor, segment_size: int | torch.Tensor,
@@ -165,8 +166,8 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
                 rows = rows.clone()                             # not a view: dynamo would guard its base's size
                 keep_dynamic(rows, dims=(0,))
             mass = score(q, k[..., :keys_seen, :], rows, scale, block_size)
-            masses.append(F.pad(mass, (0, num_blocks - mass.shape[-1])))
-    return segment_means(masses, probes)
+            masses.append(segment_means(F.pad(mass, (0, num_blocks - mass.shape[-1])), probes))
+    return torch.cat(masses, dim=-2)
 
 
 def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
@@ -213,8 +214,8 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         own_logit = torch.einsum("bhgrd,bhrd->bhgr", queries, partial) * step + count.log()
         logits = torch.where(blocks == own[:, None], own_logit[..., None], logits)
         logits = logits.masked_fill(blocks > own[:, None], float("-inf"))
-        masses.append(rearrange(torch.softmax(logits, dim=-1), "b h g r c -> b (h g) r c"))
-    return segment_means(masses, probes)
+        masses.append(segment_means(rearrange(torch.softmax(logits, dim=-1), "b h g r c -> b (h g) r c"), probes))
+    return torch.cat(masses, dim=-2)
 
 
 def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -332,5 +333,5 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
             lse = rearrange(aux.lse.float(), "(c b) h r -> b c h r", b=batch).masked_fill(~seen, float("-inf"))
             share = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))
             mass = rearrange(out * share[..., None], "b c h r v -> b h r (c v)")[..., :num_blocks]
-            masses.append(mass)
-    return segment_means(masses, probes)
+            masses.append(segment_means(mass, probes))
+    return torch.cat(masses, dim=-2)

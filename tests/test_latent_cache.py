@@ -131,20 +131,23 @@ def test_window_scores_float32_for_bf16_inputs():
 @pytest.mark.slow
 def test_compiled_window_scores_match_reference():
     """The compiled scoring pass (what CUDA runs) on the CPU: the reference's scores over evicted positions, hidden
-    keys, a query that sees nothing and both group modes, and one graph for every number of keys and rows."""
+    keys, a query that sees nothing and both group modes, and one graph for every number of keys, rows and window
+    queries."""
     from torch._dynamo.utils import get_compilation_metrics
 
     from flexentropy.kv.scoring import softmax_scores, window_logits
 
     gen = torch.Generator().manual_seed(5)
     graphs = None
-    for rows, length in ((2, 40), (3, 77), (2, 130)):
-        q, k = _randn(gen, rows, 8, 4, 16, dtype=torch.float32), _randn(gen, rows, 2, length, 16, dtype=torch.float32)
+    for rows, window, length in ((2, 4, 40), (3, 3, 77), (2, 6, 130)):
+        q = _randn(gen, rows, 8, window, 16, dtype=torch.float32)
+        k = _randn(gen, rows, 2, length, 16, dtype=torch.float32)
         key_positions = torch.randint(1, 4, (rows, 2, length), generator=gen).cumsum(-1)
-        query_positions = key_positions[0, 0, -4:].clone()
+        query_positions = key_positions[0, 0, -window:].clone()
         query_positions[0] = 0                                         # sees no key: adds nothing
         hidden = torch.rand(rows, 2, length, generator=gen) > 0.2
-        logits = window_logits(q.view(rows * 2, 16, 16), k.flatten(0, 1), torch.float32).view(rows * 2, 4, 4, length)
+        logits = window_logits(q.reshape(rows * 2, 4 * window, 16), k.flatten(0, 1), torch.float32).view(
+            rows * 2, 4, window, length)
         for mode in ("mean", "max"):
             got = softmax_scores(logits, key_positions.flatten(0, 1), query_positions, hidden.flatten(0, 1), 0.25,
                                  mode, compiled=True)
@@ -152,7 +155,7 @@ def test_compiled_window_scores_match_reference():
                                                group_mode=mode)
             torch.testing.assert_close(got.view(rows, 2, length).double(), want, rtol=1e-5, atol=1e-6)
         count = len(get_compilation_metrics())
-        assert graphs is None or count == graphs, "a new number of keys or rows compiled a new graph"
+        assert graphs is None or count == graphs, "a new number of keys, rows or queries compiled a new graph"
         graphs = count
 
 

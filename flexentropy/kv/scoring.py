@@ -140,10 +140,12 @@ def softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_position
         compiled = logits.is_cuda
     if not compiled or torch.compiler.is_compiling():
         return _softmax_scores(logits, positions, query_positions, hidden, scale, group_mode)
-    keep_dynamic(logits, dims=(0, -1))       # rows (layers x batch x KV heads) and keys: one graph for all
+    # rows (layers x batch x KV heads), window queries (a policy may score a prompt in chunks of queries) and keys:
+    # one graph for all; the group is the model's
+    keep_dynamic(logits, dims=(0, 2, 3))
+    keep_dynamic(query_positions, dims=(0,))
     keep_dynamic(positions, dims=(-1,))
-    for dim in (1, 2):                        # the group and the window: the model's, one graph for each
-        torch._dynamo.mark_static(logits, dim)
+    torch._dynamo.mark_static(logits, 1)
     # Without duck sizing, rows that happen to equal the group or the window stay a size of their own.
     with no_silent_fallback(), shape_config.patch(use_duck_shape=False):
         return _compiled_softmax_scores(logits, positions, query_positions, hidden, scale, group_mode)

@@ -10,7 +10,8 @@ Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
   random inputs, best of 3.
 * ``warm_up``: `fe.warm_up` of an 8-layer tiny Llama (inductor, phase 1 captured) in fresh processes: an empty
   inductor cache dir, the same dir again, and an empty dir after loading the first run's compiled artifacts; each
-  row lists the graphs dynamo compiled and the seconds each took.
+  row lists the graphs dynamo compiled, the seconds each took, and how the compilation's seconds split between
+  dynamo's bytecode tracing and the backend.
 
 CPU figures: they rank the paths on the host, they are not GPU timings.
 """
@@ -97,6 +98,16 @@ def compiled_graphs() -> list[dict]:
              "seconds": m.entire_frame_compile_time_s} for m in get_compilation_metrics()]
 
 
+def compile_phases() -> dict[str, float]:
+    """Seconds this process spent in dynamo's compilation phases so far: the whole of it, dynamo's bytecode tracing,
+    and the backend's call (AOTAutograd and inductor, or their caches)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    names = {"total": "_compile.compile_inner", "bytecode_tracing": "bytecode_tracing",
+             "backend": "OutputGraph.call_user_compiler"}
+    return {label: sum(compilation_time_metrics.get(name, [])) for label, name in names.items()}
+
+
 def warm_up_once(mode: str, artifacts: str) -> float:
     """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
     from transformers.generation import CompileConfig
@@ -126,7 +137,8 @@ def warm_up_rows() -> list[dict]:
                                  capture_output=True, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
             rows.append({"part": "warm_up", "mode": {"save": "cold"}.get(mode, mode), "seconds": child["seconds"],
-                         "graphs": child["graphs"], "artifacts_bytes": Path(artifacts).stat().st_size})
+                         "graphs": child["graphs"], "compile_phases_s": child["phases"],
+                         "artifacts_bytes": Path(artifacts).stat().st_size})
     return rows
 
 
@@ -138,7 +150,8 @@ def main() -> None:
     parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_child:
-        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child), "graphs": compiled_graphs()}))
+        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child), "graphs": compiled_graphs(),
+                          "phases": compile_phases()}))
         return
     parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": warm_up_rows}
     path = Path(args.out)

@@ -93,10 +93,8 @@ def window_attention_scores(
     positions = key_positions.view(1, length) if key_positions.dim() == 1 else key_positions.flatten(0, 1)
     hidden = None if key_mask is None else key_mask.flatten(0, 1)
     if kind == "raw":
-        visible = (positions[:, None, :] <= query_positions[:, None])[:, None]           # [*, 1, W, T]
-        if hidden is not None:
-            visible = visible & hidden[:, None, None, :]
-        per_head = logits.masked_fill_(~visible, 0.0).sum(dim=2)                           # [B * Hkv, G, T]
+        hide = ~visible_keys(positions, query_positions, hidden)
+        per_head = logits.masked_fill_(hide, 0.0).sum(dim=2)                               # [B * Hkv, G, T]
         scores = per_head.sum(dim=1) if group_mode == "mean" else per_head.amax(dim=1)
     else:
         scale = dim**-0.5 if scale is None else scale
@@ -112,13 +110,19 @@ def window_logits(q: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> to
     return q.to(dtype) @ keys.to(dtype).transpose(1, 2)
 
 
+def visible_keys(positions: torch.Tensor, query_positions: torch.Tensor, hidden: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """bool ``[1 or N, 1, W, T]``: window query ``w`` sees the key at ``positions [1 or N, T]`` up to
+    ``query_positions[w]``, unless ``hidden [N, T]`` is False there (a singleton axis for the group's query heads)."""
+    visible = (positions[:, None, :] <= query_positions[:, None])[:, None]
+    return visible if hidden is None else visible & hidden[:, None, None, :]
+
+
 def _softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor,
                     hidden: torch.Tensor | None, scale: float, group_mode: str) -> torch.Tensor:
     """``[N, T]`` mean softmax probability of each key under ``logits [N, G, W, T]`` (unscaled), query ``w`` seeing
     the keys of ``positions [1 or N, T]`` up to ``query_positions[w]`` and not ``hidden [N, T]`` (False)."""
-    visible = (positions[:, None, :] <= query_positions[:, None])[:, None]                # [*, 1, W, T]
-    if hidden is not None:
-        visible = visible & hidden[:, None, None, :]
+    visible = visible_keys(positions, query_positions, hidden)
     scaled = torch.where(visible, logits * scale, float("-inf"))
     # A query that sees no key has lse -inf: its row is all hidden, so it adds 0 without a NaN reaching the sum.
     probs = torch.where(visible, torch.exp(scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)), 0.0)

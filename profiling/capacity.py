@@ -9,13 +9,15 @@ Parts (``--parts``; every row is written to ``--out`` as it completes):
 
 * ``batch``: ``--requests`` prompts of ``--context`` tokens, ``--new-tokens`` each, no stop token.
   - ``dense``: the largest batch whose KV fits beside the weights and one prompt's prefill (``--dense-batch``, or
-    measured: `dense_rows`): each prompt prefilled alone on cuDNN SDPA, its KV copied into its row of one
-    transformers ``StaticCache``, then all rows decoded together, the step captured whole in one CUDA graph with its
-    attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense decode). Every wave of
-    that many requests is the same, so one full wave is timed: its requests per minute are dense's rate.
+    measured: `dense_rows`): each prompt prefilled alone on cuDNN SDPA straight into its row of one transformers
+    ``StaticCache`` (no second copy of its KV), then all rows decoded together, the step captured whole in one
+    CUDA graph with its attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense
+    decode). Every wave of that many requests is the same, so one full wave is timed: its requests per minute are
+    dense's rate.
   - ``flexentropy``: `fe.generate_batch` with ``--rows`` rows (prefill alone, evicted at the end of each prompt,
     decoded together in one recorded step; a row that ends takes the next prompt).
-  Per row: requests per minute, generated tokens per second, the batch, peak memory.
+  Both sides run their MLPs in chunks of ``--mlp-chunk`` tokens (`fe.chunk_mlp`), which leaves dense's prefill room
+  for one more row. Per row: requests per minute, generated tokens per second, the batch, peak memory.
 * ``long``: one prompt of each ``--contexts`` length: TTFT and peak memory of flexentropy's prefill into a
   `LatentKVCache` with ``decode_delay=0`` (each layer's full KV held only until its own attention has run), and of
   dense (cuDNN SDPA, `DynamicCache`) where its KV and activations fit, else the memory arithmetic that says it does
@@ -68,8 +70,8 @@ def kv_bytes_per_token(model: Any) -> int:
 
 def dense_rows(model: Any, prompt: torch.Tensor, new: int, device: torch.device) -> int:
     """The most rows of dense KV (``prompt`` and ``new`` tokens each) that fit: a one-row wave is run first, and
-    its peak above the memory held before it (its row, the prefill's own cache and activations) is what the first
-    row costs; each further row costs its KV."""
+    its peak above the memory held before it (its row and the prefill's activations) is what the first row
+    costs; each further row costs its KV."""
     per_row = (prompt.numel() + new) * kv_bytes_per_token(model)
     if device.type != "cuda":
         return 2
@@ -92,21 +94,21 @@ def dense_wave(model: Any, prompts: list[torch.Tensor], new: int, device: torch.
     from transformers import StaticCache
 
     rows, n, keyword = len(prompts), prompts[0].numel(), cache_keyword(model)
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     cache = StaticCache(config=model.config, max_cache_len=n + new)
+    cache.early_initialization(rows, text.num_key_value_heads, head_dim, model.dtype, device)
     first = torch.empty(rows, 1, dtype=torch.long, device=device)
     sync(device)
     start = time.perf_counter()
     with torch.no_grad(), sdpa_kernel(CUDNN):
-        for row, ids in enumerate(prompts):   # one prompt's prefill at a time, into its row
+        for row, ids in enumerate(prompts):   # one prompt's prefill at a time, straight into its row
             alone = StaticCache(config=model.config, max_cache_len=n + new)
+            for layer, whole in zip(alone.layers, cache.layers, strict=True):   # a one-row cache over that row
+                layer.lazy_initialization(whole.keys[row:row + 1, :, :0], whole.values[row:row + 1, :, :0])
+                layer.keys, layer.values = whole.keys[row:row + 1], whole.values[row:row + 1]
             logits = model(input_ids=ids[None], **{keyword: alone}, use_cache=True, logits_to_keep=1).logits
             first[row] = logits[:, -1:].argmax(dim=-1)[0]
-            for layer, source in zip(cache.layers, alone.layers, strict=True):
-                if not layer.is_initialized:
-                    layer.lazy_initialization(source.keys.expand(rows, -1, -1, -1),
-                                              source.values.expand(rows, -1, -1, -1))
-                layer.keys[row].copy_(source.keys[0])
-                layer.values[row].copy_(source.values[0])
             del alone
         for layer in cache.layers:
             layer.cumulative_length.fill_(n)
@@ -129,6 +131,7 @@ def dense_wave(model: Any, prompts: list[torch.Tensor], new: int, device: torch.
 def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     n, new = args.context, args.new_tokens
     prompts = prompts_of(model, args.requests, n, device)
+    fe.chunk_mlp(model, args.mlp_chunk)   # both sides: dense's prefill activations then leave room for another row
     fe.disable(model)
     previous = model.config._attn_implementation
     from transformers import AttentionInterface
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dense-batch", type=int, default=None, help="default: the most rows whose KV fits")
     p.add_argument("--contexts", type=int, nargs="+", default=[524288, 1048576])
     p.add_argument("--variants", default="flexentropy,dense", help="long: which sides run")
-    p.add_argument("--mlp-chunk", type=int, default=65536, help="long: fe.chunk_mlp's tokens, on both sides")
+    p.add_argument("--mlp-chunk", type=int, default=65536, help="fe.chunk_mlp's tokens, on both sides")
     p.add_argument("--prefill-budget", type=int, default=3328)
     p.add_argument("--warm-length", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)

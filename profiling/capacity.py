@@ -9,11 +9,11 @@ Parts (``--parts``; every row is written to ``--out`` as it completes):
 
 * ``batch``: ``--requests`` prompts of ``--context`` tokens, ``--new-tokens`` each, no stop token.
   - ``dense``: the largest batch whose KV fits beside the weights and one prompt's prefill (``--dense-batch``, or
-    measured: `dense_rows`): each prompt prefilled alone on cuDNN SDPA straight into its row of one transformers
-    ``StaticCache`` (no second copy of its KV), then all rows decoded together, the step captured whole in one
-    CUDA graph with its attention cuDNN SDPA over the whole buffer, no mask (as `decode_timeline.py`'s dense
-    decode). Every wave of that many requests is the same, so one full wave is timed: its requests per minute are
-    dense's rate.
+    tried: one row above `dense_rows`'s estimate, then one fewer until a wave fits): each prompt prefilled alone
+    on cuDNN SDPA straight into its row of one transformers ``StaticCache`` (no second copy of its KV), then all
+    rows decoded together, the step captured whole in one CUDA graph with its attention cuDNN SDPA over the whole
+    buffer, no mask (as `decode_timeline.py`'s dense decode). Every wave of that many requests is the same, so
+    one full wave is timed: its requests per minute are dense's rate.
   - ``flexentropy``: `fe.generate_batch` with ``--rows`` rows (prefill alone, evicted at the end of each prompt,
     decoded together in one recorded step; a row that ends takes the next prompt).
   Both sides run their MLPs in chunks of ``--mlp-chunk`` tokens (`fe.chunk_mlp`), which leaves dense's prefill room
@@ -140,9 +140,12 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
     AttentionInterface.register(DENSE, dense_attention)
     AttentionMaskInterface.register(DENSE, no_mask)
     model.set_attn_implementation(DENSE)
-    rows = args.dense_batch or dense_rows(model, prompts[0], new, device)   # also warms cuDNN's plans
+    # one row above the estimate first (it is a bound from one row's peak, not a trial): the batched cache is
+    # allocated before the prefills, so a wave that does not fit fails within its first prefill; then one row
+    # fewer until a wave fits
+    rows = args.dense_batch or dense_rows(model, prompts[0], new, device) + 1   # also warms cuDNN's plans
     did_not_fit = None
-    while True:   # the estimate leaves the allocator's fragmentation out: one row fewer until a wave fits
+    while True:
         reset_peak(device)
         wave = prompts[:rows] + prompts_of(model, max(0, rows - len(prompts)), n, device)
         try:

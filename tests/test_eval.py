@@ -52,7 +52,7 @@ class ByteTokenizer:
 
 
 TOKENIZER = ByteTokenizer()
-NIAH = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+NIAH = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_multiquery3")
 
 
 def tiny_llama() -> Any:
@@ -103,7 +103,8 @@ def test_needles_and_answers_are_in_the_context(task: str) -> None:
         assert answer in sample.context
     asked = sample.meta["asked"]
     assert all(key in sample.question and key in sample.answer_prefix for key in asked)
-    expected = {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4}[task]
+    expected = {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4,
+                "niah_multiquery3": 3}[task]
     assert len(sample.answers) == len(set(sample.answers)) == expected
     where = sample.meta["positions"]
     assert where == [round(sample.context.index(f) / len(sample.context), 3) for f in sample.meta["facts"]]

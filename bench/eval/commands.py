@@ -35,7 +35,7 @@ from flexentropy.config import EntropyConfig
 
 DEFAULT_OUT = Path("runs/quality")
 """Default output root: an ignored folder of the working tree (commit what `docs/` quotes by hand)."""
-DIAGNOSE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+DIAGNOSE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_multiquery3", "vt")
 """Tasks whose samples plant facts that `bench.eval.diagnose` locates."""
 
 

@@ -11,6 +11,8 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
 * ``niah_multikey``: four keys, each with its number; one is asked (the others are distractors);
 * ``niah_multivalue``: four numbers for the same key; all are asked;
 * ``niah_multiquery``: four keys; the numbers of all four are asked;
+* ``niah_multiquery3``: four keys; the numbers of three are asked in one question, so one answer carries three
+  values and the fourth key is a distractor;
 * ``vt``: variable tracking, one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables; all are asked;
 * ``cwe``: common-word extraction over a numbered list of words drawn from the essays' vocabulary;
 * ``niah_multiturn``: two keys, three numbers for the first and one for the second; the first key's are asked, then,
@@ -21,8 +23,8 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
   docstring aside, scored on its own);
 * ``summarise``: the paper's latency prompt (sec. 5.3): summarise the essays, exactly ``max_new_tokens`` generated.
 
-Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``code_recall``,
-``niah_multiturn``) score each value on its own: the score is the share of values found.
+Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``niah_multiquery3``, ``vt``,
+``cwe``, ``code_recall``, ``niah_multiturn``) score each value on its own: the score is the share of values found.
 
 Question placement (`prompt_text`): ``"outside"`` puts the question after the context (kvpress' default: the context
 is what gets compressed, the question is not); ``"inside"`` puts it before the context, so it is compressed or
@@ -261,6 +263,10 @@ def niah_multiquery(draw: Draw) -> Sample:
     return _niah(draw, "niah_multiquery", num_keys=4, values_per_key=1, asked_keys=4)
 
 
+def niah_multiquery3(draw: Draw) -> Sample:
+    return _niah(draw, "niah_multiquery3", num_keys=4, values_per_key=1, asked_keys=3)
+
+
 def niah_multiturn(draw: Draw) -> Sample:
     """Two keys, the first with three numbers, the second with one: the first key's numbers are asked (a reply of
     ~30 tokens, past a default ``decode_delay``), then the second key's number in a later turn."""
@@ -437,6 +443,7 @@ TASKS: dict[str, Callable[[Draw], Sample]] = {
     "niah_multikey": niah_multikey,
     "niah_multivalue": niah_multivalue,
     "niah_multiquery": niah_multiquery,
+    "niah_multiquery3": niah_multiquery3,
     "niah_multiturn": niah_multiturn,
     "vt": vt,
     "cwe": cwe,

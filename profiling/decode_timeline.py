@@ -19,7 +19,10 @@ Parts (``--parts``):
   (N - 1)``, prefill + N = ``t_N``); for the first N also a step record: every decode step's host wall time
   (call to call), the GPU time of its forward (CUDA events around the call, no sync added) and its phase (phase 1,
   the first eviction, a recompression, a static step), summed into an attribution of every millisecond per token
-  above the captured step.
+  above the captured step. The attribution reads host wall times, which follow the GPU only where the host waits
+  for it each step (``generate``'s stopping check); the greedy loop never waits, so its wall times are the host's
+  pace (a step's is short, and the first eviction's long while the queue drains) and its breakdown is the steps'
+  GPU times (``--plot``).
 * ``profile``: one ``generate`` of the first N under torch.profiler: the host's top operators over the static steps
   and the GPU's busy and idle time per step, written beside the JSON (``*_profile.txt``).
 * ``check``: greedy tokens of the recorded steps against the same steps run eagerly, and of ``generate`` against

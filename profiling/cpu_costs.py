@@ -8,10 +8,10 @@ Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
   32-layer Llama (512-token prompt, budget 64): median and 90th percentile over the steps without a decision.
 * ``observation``: one layer's probe observation (scored path) against the pooled one, 14 query / 2 KV heads, D 64,
   random inputs, best of 3.
-* ``warm_up``: `fe.warm_up` of an 8-layer tiny Llama (inductor, phase 1 captured) in fresh processes: an empty
-  inductor cache dir, the same dir again, and an empty dir after loading the first run's compiled artifacts; each
-  row lists the graphs dynamo compiled, the seconds each took, and how the compilation's seconds split between
-  dynamo's bytecode tracing and the backend.
+* ``warm_up``: `fe.warm_up` of a tiny Llama of ``--layers`` layers (default 8; inductor, phase 1 captured) in fresh
+  processes: an empty inductor cache dir, the same dir again, and an empty dir after loading the first run's
+  compiled artifacts; each row lists the graphs dynamo compiled, the seconds each took, and how the compilation's
+  seconds split between dynamo's bytecode tracing and the backend.
 
 CPU figures: they rank the paths on the host, they are not GPU timings.
 """
@@ -108,13 +108,13 @@ def compile_phases() -> dict[str, float]:
     return {label: sum(compilation_time_metrics.get(name, [])) for label, name in names.items()}
 
 
-def warm_up_once(mode: str, artifacts: str) -> float:
+def warm_up_once(mode: str, artifacts: str, layers: int) -> float:
     """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
     from transformers.generation import CompileConfig
 
     if mode == "load":
         torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
-    model = tiny_llama(8)
+    model = tiny_llama(layers)
     cfg = fe.EntropyConfig(segment_size=256, block_size=128, dense_prefix=512, decode_budget=96, decode_delay=4,
                            recompress_every=8)
     fe.enable(model, cfg)
@@ -127,16 +127,18 @@ def warm_up_once(mode: str, artifacts: str) -> float:
     return time.perf_counter() - start
 
 
-def warm_up_rows() -> list[dict]:
+def warm_up_rows(layers: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = str(Path(tmp) / "artifacts.bin")
         for mode, cache_dir in (("save", "a"), ("same_cache_dir", "a"), ("load", "b")):
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache_dir)}
-            out = subprocess.run([sys.executable, __file__, "--warm-up-child", mode, artifacts], env=env, check=True,
+            out = subprocess.run([sys.executable, __file__, "--warm-up-child", mode, artifacts, "--layers",
+                                  str(layers)], env=env, check=True,
                                  capture_output=True, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
-            rows.append({"part": "warm_up", "mode": {"save": "cold"}.get(mode, mode), "seconds": child["seconds"],
+            rows.append({"part": "warm_up", "layers": layers, "mode": {"save": "cold"}.get(mode, mode),
+                         "seconds": child["seconds"],
                          "graphs": child["graphs"], "compile_phases_s": child["phases"],
                          "artifacts_bytes": Path(artifacts).stat().st_size})
     return rows
@@ -147,13 +149,14 @@ def main() -> None:
     parser.add_argument("--parts", default="prepare,observation,warm_up")
     parser.add_argument("--out", default="docs/results/cpu_costs.json")
     parser.add_argument("--tag", default="", help="label of the rows (e.g. the commit measured)")
+    parser.add_argument("--layers", type=int, default=8, help="warm_up: the tiny Llama's layers")
     parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_child:
-        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child), "graphs": compiled_graphs(),
+        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child, args.layers), "graphs": compiled_graphs(),
                           "phases": compile_phases()}))
         return
-    parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": warm_up_rows}
+    parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": lambda: warm_up_rows(args.layers)}
     path = Path(args.out)
     payload = json.loads(path.read_text()) if path.is_file() else {"benchmark": "cpu_costs", "rows": []}
     for part in args.parts.split(","):

@@ -131,7 +131,6 @@ def dense_wave(model: Any, prompts: list[torch.Tensor], new: int, device: torch.
 def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     n, new = args.context, args.new_tokens
     prompts = prompts_of(model, args.requests, n, device)
-    fe.chunk_mlp(model, args.mlp_chunk)   # both sides: dense's prefill activations then leave room for another row
     fe.disable(model)
     previous = model.config._attn_implementation
     from transformers import AttentionInterface
@@ -178,7 +177,6 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
 def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     cfg = speed_config(base_budget=args.prefill_budget, decode_delay=0)
     keyword = cache_keyword(model)
-    fe.chunk_mlp(model, args.mlp_chunk)   # both sides: the MLPs' activations at 1M would not fit otherwise
     for n in args.contexts:
         ids = prompts_of(model, 1, n, device)[0][None]
         if "flexentropy" in args.variants:
@@ -240,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     model = build_model(args.layers, device, args.tiny)
     fe.fuse_projections(model)
+    # every part, both sides: a 1M prompt's MLP activations would not fit otherwise, and in the batch part dense's
+    # prefill leaves room for one more row
+    fe.chunk_mlp(model, args.mlp_chunk)
 
     def guarded(part: str, rows_of: Callable[[], Iterator[dict]]) -> None:
         try:

@@ -133,13 +133,12 @@ def warm_up_rows(layers: int) -> list[dict]:
         artifacts = str(Path(tmp) / "artifacts.bin")
         for mode, cache_dir in (("save", "a"), ("same_cache_dir", "a"), ("load", "b")):
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache_dir)}
-            out = subprocess.run([sys.executable, __file__, "--warm-up-child", mode, artifacts, "--layers",
-                                  str(layers)], env=env, check=True,
-                                 capture_output=True, text=True).stdout
+            child_args = ["--warm-up-child", mode, artifacts, "--layers", str(layers)]
+            out = subprocess.run([sys.executable, __file__, *child_args], env=env, check=True, capture_output=True,
+                                 text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
             rows.append({"part": "warm_up", "layers": layers, "mode": {"save": "cold"}.get(mode, mode),
-                         "seconds": child["seconds"],
-                         "graphs": child["graphs"], "compile_phases_s": child["phases"],
+                         "seconds": child["seconds"], "graphs": child["graphs"], "compile_phases_s": child["phases"],
                          "artifacts_bytes": Path(artifacts).stat().st_size})
     return rows
 

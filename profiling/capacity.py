@@ -18,7 +18,8 @@ Parts (``--parts``; every row is written to ``--out`` as it completes):
     decoded together in one recorded step; a row that ends takes the next prompt).
   Both sides run their MLPs in chunks of ``--mlp-chunk`` tokens (`fe.chunk_mlp`), which leaves dense's prefill room
   for one more row. Per row: requests per minute, generated tokens per second, the batch, peak memory.
-* ``long``: one prompt of each ``--contexts`` length: TTFT and peak memory of flexentropy's prefill into a
+* ``long``: one prompt of each ``--contexts`` length, after two untimed prompts of ``--warm-length`` tokens
+  (and 4,321 more) on each side: TTFT and peak memory of flexentropy's prefill into a
   `LatentKVCache` with ``decode_delay=0`` (each layer's full KV held only until its own attention has run), and of
   dense (cuDNN SDPA, `DynamicCache`) where its KV and activations fit, else the memory arithmetic that says it does
   not (``--variants``). Both run their MLPs in chunks of ``--mlp-chunk`` tokens (`fe.chunk_mlp`).
@@ -174,18 +175,30 @@ def batch_rows(model: Any, args: argparse.Namespace, device: torch.device) -> It
            "tokens_per_s": sum(o.numel() for o in outputs) / seconds, "peak_gib": peak_gib(device)}
 
 
+def prefill(model: Any, ids: torch.Tensor, cache: Any) -> None:
+    """One prompt's forward into ``cache``, the last position's logits only (what TTFT times)."""
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+
+
+def warm_prefills(model: Any, new_cache: Callable[[], Any], args: argparse.Namespace, device: torch.device) -> None:
+    """Two untimed prompts of ``--warm-length`` and a length that is not a multiple of the block size: the compiled
+    graphs they build (dynamic after the second length) serve the timed long prompt, which then compiles nothing."""
+    for length in (args.warm_length, args.warm_length + 4321):
+        prefill(model, prompts_of(model, 1, length, device)[0][None], new_cache())
+
+
 def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
-    cfg = speed_config(base_budget=args.prefill_budget, decode_delay=0)
-    keyword = cache_keyword(model)
+    cfg = speed_config(base_budget=args.prefill_budget, decode_delay=0, probes=args.probes)
     for n in args.contexts:
         ids = prompts_of(model, 1, n, device)[0][None]
         if "flexentropy" in args.variants:
             fe.enable(model, cfg, keep_plans=False)
+            warm_prefills(model, lambda: fe.LatentKVCache(cfg), args, device)
             reset_peak(device)
             sync(device)
             start = time.perf_counter()
-            with torch.no_grad():
-                model(input_ids=ids, **{keyword: fe.LatentKVCache(cfg)}, use_cache=True, logits_to_keep=1)
+            prefill(model, ids, fe.LatentKVCache(cfg))
             sync(device)
             yield {"part": "long", "variant": "flexentropy", "n": n, "mlp_chunk": args.mlp_chunk,
                    "ttft_s": time.perf_counter() - start, "peak_gib": peak_gib(device)}
@@ -202,13 +215,13 @@ def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Ite
         else:
             from transformers import DynamicCache
 
-            reset_peak(device)
-            sync(device)
-            start = time.perf_counter()
             try:
-                with torch.no_grad(), sdpa_kernel(CUDNN):
-                    model(input_ids=ids, **{keyword: DynamicCache(config=model.config)}, use_cache=True,
-                          logits_to_keep=1)
+                with sdpa_kernel(CUDNN):
+                    warm_prefills(model, lambda: DynamicCache(config=model.config), args, device)
+                    reset_peak(device)
+                    sync(device)
+                    start = time.perf_counter()
+                    prefill(model, ids, DynamicCache(config=model.config))
                 sync(device)
                 row.update(ttft_s=time.perf_counter() - start, peak_gib=peak_gib(device))
             except torch.OutOfMemoryError as err:
@@ -229,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mlp-chunk", type=int, default=65536, help="fe.chunk_mlp's tokens, on both sides")
     p.add_argument("--prefill-budget", type=int, default=3328)
     p.add_argument("--warm-length", type=int, default=8192)
+    p.add_argument("--probes", type=int, default=fe.EntropyConfig().probes,
+                   help="long: probe queries per segment of flexentropy's observation (EntropyConfig.probes)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")

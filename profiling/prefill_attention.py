@@ -53,9 +53,9 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
     dtype = getattr(torch, args.dtype)
     q, k, v = attention_inputs(1, args.hq, args.hkv, n, args.dim, dtype, device, kind=args.inputs)
     cfg = speed_config(base_budget=args.budget, backend=args.backend, observation=args.observation,
-                       probe_kernel=PROBE_KERNEL[args.probe_kernel])
+                       probe_kernel=PROBE_KERNEL[args.probe_kernel], probes=args.probes)
     row: dict = {"n": n, "inputs": args.inputs, "base_budget": args.budget, "observation": args.observation,
-                 "probe_kernel": args.probe_kernel}
+                 "probes": args.probes, "probe_kernel": args.probe_kernel}
     gqa = args.hq != args.hkv
 
     def sdpa(backend: SDPBackend):
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--observation", choices=["probe", "pooled", "paper"], default="probe",
                    help="probe: the default's observation; pooled: the probes against one mean key per block; paper: "
                         "Alg. 2's representatives (budgets fixed either way)")
+    p.add_argument("--probes", type=int, default=fe.EntropyConfig().probes,
+                   help="probe queries per segment of the probe and pooled observations (EntropyConfig.probes)")
     p.add_argument("--inputs", choices=["random", "structured"], nargs="+", default=["random", "structured"])
     p.add_argument("--backend", choices=["auto", "triton", "flash"], default="auto")
     p.add_argument("--baselines", nargs="*", choices=["cudnn", "flash", "flex"], default=["cudnn", "flash", "flex"],

@@ -5,6 +5,9 @@ CPU half; docs/quality.md).
         --out docs/results/value_loss/value_loss_0.5b.json
     python profiling/quality/value_loss_study.py --model qwen2.5-coder-0.5b --length 16384 --seeds 0 1 \
         --out docs/results/value_loss/value_loss_0.5b.json    (adds to the file; --table prints its tables)
+    python profiling/quality/value_loss_study.py --length 8192 --seeds 0 1 2 3 --rules "default (dense tail)" \
+        "8 probes (dense tail)" "4 probes (dense tail)" "default, q sparse" "4 probes, q sparse" \
+        --out docs/results/value_loss/value_loss_probes_0.5b.json            (the same at 16384, seeds 0 1)
 
 Per seed, one prompt of 4 planted needles ("One of the special magic numbers for KEY is: NNNNNNN."), 3 of them
 asked in one question (the harness's ``niah_multiquery3``, drawn with a seed of its own). Captures every layer's
@@ -66,8 +69,13 @@ RULES: dict[str, dict[str, Any]] = {
     "cov 0.6, q sparse": dict(SPARSE_Q, coverage=0.6),
     "cov 0.9, q sparse": dict(SPARSE_Q, coverage=0.9),
     "pooled, q sparse": dict(SPARSE_Q, observation="pooled"),
+    "8 probes (dense tail)": dict(probes=8),
+    "4 probes (dense tail)": dict(probes=4),
+    "4 probes, q sparse": dict(SPARSE_Q, probes=4),
 }
-"""Rule name -> knobs on the default `EntropyConfig` (the default's coverage at these lengths is 0.8)."""
+"""Rule name -> knobs on the default `EntropyConfig` (the default's coverage at these lengths is 0.8). ``--rules``
+picks some (default: the first five); fewer probes per segment cut the observation's cost in proportion."""
+FIRST_RULES = list(RULES)[:5]
 
 Layers = list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]]
 
@@ -120,7 +128,7 @@ def capture(model: Any, ids: list[int], path: Path) -> Layers:
 
 
 def study_layer(q: torch.Tensor, k: torch.Tensor, scale: float, layer_idx: int, rows: torch.Tensor,
-                needle_rows: torch.Tensor, member: torch.Tensor, config: EntropyConfig
+                needle_rows: torch.Tensor, member: torch.Tensor, config: EntropyConfig, rules: list[str]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """``(dense, per_rule)`` for one layer. ``member`` float ``[N, 4]``: token-in-needle; ``rows`` the question rows
     (one segment); ``needle_rows`` long ``[4, T]``: each needle's token rows."""
@@ -138,8 +146,8 @@ def study_layer(q: torch.Tensor, k: torch.Tensor, scale: float, layer_idx: int, 
     flat_rows = needle_rows.flatten()
     needle_probs = torch.softmax(dense_rows(q, k, flat_rows, scale), -1)            # [Hq, 4T, N]
     out = {}
-    for name, knobs in RULES.items():
-        rule = EntropyConfig().replace(**knobs)
+    for name in rules:
+        rule = EntropyConfig().replace(**RULES[name])
         plan = make_prefill("entropy", rule).plan(q[None], k[None], layer_idx)
         blocks = plan.blocks[0]                                                     # [Hq, C_Q, C_B]
         keep = blocks[:, rows // Q_BLOCK_SIZE].repeat_interleave(block, -1)[..., :n]   # [Hq, R, N]
@@ -200,6 +208,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--attend", type=float, default=0.05, help="mean mass per row that counts as attending")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=FIRST_RULES)
     parser.add_argument("--table", action="store_true", help="only print the tables of --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -213,7 +222,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32")[:2]
     base = EntropyConfig()
     report: dict[str, Any] = {"model": args.model, "attend": args.attend,
-                              "rules": {name: knobs for name, knobs in RULES.items()}, "prompts": {}}
+                              "rules": {name: RULES[name] for name in args.rules}, "prompts": {}}
     if args.out.is_file():
         report["prompts"] = json.loads(args.out.read_text(encoding="utf-8")).get("prompts", {})
     for seed in args.seeds:
@@ -231,14 +240,15 @@ def main() -> None:
         probes = probe_positions(n, base.segment_size, base.probes)[int(rows[-1]) // base.segment_size]
         probes_in_question = int((probes >= rows[0]).sum())     # of the rows' segment's probes
         layers = capture(model, ids, Path("runs") / f"value_loss_{args.length}_{seed}_v.pt")
-        dense_parts, rule_parts, layer_ids = [], {name: [] for name in RULES}, []
+        dense_parts, rule_parts, layer_ids = [], {name: [] for name in args.rules}, []
         for layer_idx, q, k, _, scale in layers:
             if layer_idx in base.dense_layers:
                 continue
             layer_ids.append(layer_idx)
-            dense, per_rule = study_layer(q.float(), k.float(), scale, layer_idx, rows, needle_rows, member, base)
+            dense, per_rule = study_layer(q.float(), k.float(), scale, layer_idx, rows, needle_rows, member, base,
+                                          args.rules)
             dense_parts.append(dense)
-            for name in RULES:
+            for name in args.rules:
                 rule_parts[name].append(per_rule[name])
         stack = lambda parts: {key: torch.stack([p[key] for p in parts]) for key in parts[0]}  # noqa: E731
         summary = summarise(stack(dense_parts), {name: stack(p) for name, p in rule_parts.items()}, layer_ids,

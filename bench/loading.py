@@ -29,12 +29,52 @@ def resolve_model(path: str | None) -> tuple[Path, str | None]:
     return loading.resolve_model(path)
 
 
+def converted_folder(folder: Path, gguf_file: str, dtype: Any) -> Path:
+    """Where `load_model` keeps a GGUF model converted to ``dtype``: a folder beside the file."""
+    return folder / f"{gguf_file}.{str(dtype).removeprefix('torch.')}.hf"
+
+
 def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto", yarn: float | None = None
                ) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, source)`` loaded offline from ``--model``-style ``path`` (see `resolve_model`)."""
+    """``(model, tokenizer, source)`` loaded offline from ``--model``-style ``path`` (see `resolve_model`).
+
+    A GGUF model is dequantized once per dtype: its weights, config and tokenizer are saved to `converted_folder`
+    beside the file (when it can be written) and read from there afterwards, the same tensors in a few seconds
+    instead of a minute on the 1.5B."""
     folder, gguf_file = resolve_model(path)
+    source = loading.model_source(folder, gguf_file)
     where = loading.select_device(device)
+    torch_dtype = loading.select_dtype(dtype, where)
+    if gguf_file is not None and converted_folder(folder, gguf_file, torch_dtype).is_dir():
+        folder, gguf_file = converted_folder(folder, gguf_file, torch_dtype), None
     config = loading.load_config(folder, gguf_file, yarn)
     tokenizer = loading.load_tokenizer(folder, gguf_file)
-    model = loading.load_weights(folder, gguf_file, config, loading.select_dtype(dtype, where), where)
-    return model, tokenizer, loading.model_source(folder, gguf_file)
+    model = loading.load_weights(folder, gguf_file, config, torch_dtype, where)
+    if gguf_file is not None:
+        save_converted(model, tokenizer, loading.load_config(folder, gguf_file),
+                       converted_folder(folder, gguf_file, torch_dtype))
+    return model, tokenizer, source
+
+
+def save_converted(model: Any, tokenizer: Any, config: Any, target: Path) -> None:
+    """Save ``model``'s weights with ``config`` (the file's own, without YaRN: `load_model` applies it on every
+    load) and ``tokenizer`` to ``target``, through a temporary folder renamed at the end, so that a half-written
+    folder is never read; nothing is saved where the folder cannot be written."""
+    import shutil
+    import tempfile
+
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError:
+        return
+    from safetensors.torch import save_model
+
+    try:   # transformers will not save a model loaded from a GGUF: its tensors, written as safetensors, are plain
+        save_model(model, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        scratch.rename(target)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

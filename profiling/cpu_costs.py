@@ -108,21 +108,31 @@ def compile_phases() -> dict[str, float]:
     return {label: sum(compilation_time_metrics.get(name, [])) for label, name in names.items()}
 
 
-def warm_up_once(mode: str, artifacts: str, layers: int) -> float:
-    """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
+def warm_up_setup(layers: int) -> tuple[torch.nn.Module, fe.StaticLatentKVCache, object]:
+    """``(model, cache, compile_config)`` that the warm-up studies run `fe.warm_up` on: the tiny Llama of ``layers``
+    layers switched by `fe.enable`, a `StaticLatentKVCache` with phase 1 captured, and transformers' compile config
+    made to compile on the CPU too."""
     from transformers.generation import CompileConfig
 
-    if mode == "load":
-        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
     model = tiny_llama(layers)
     cfg = fe.EntropyConfig(segment_size=256, block_size=128, dense_prefix=512, decode_budget=96, decode_delay=4,
                            recompress_every=8)
     fe.enable(model, cfg)
     compile_config = CompileConfig()
     compile_config._compile_all_devices = True
-    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=2048)
+    return model, fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=2048), compile_config
+
+
+WARM_UP_LENGTHS = [900, 1234]
+
+
+def warm_up_once(mode: str, artifacts: str, layers: int) -> float:
+    """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
+    if mode == "load":
+        torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
+    model, cache, compile_config = warm_up_setup(layers)
     start = time.perf_counter()
-    fe.warm_up(model, [900, 1234], cache=cache, compile_config=compile_config,
+    fe.warm_up(model, WARM_UP_LENGTHS, cache=cache, compile_config=compile_config,
                artifacts=artifacts if mode == "save" else None)
     return time.perf_counter() - start
 

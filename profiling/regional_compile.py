@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
-from cpu_costs import compile_phases, compiled_graphs, tiny_llama  # noqa: E402
+from cpu_costs import WARM_UP_LENGTHS, compile_phases, compiled_graphs, warm_up_setup  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 
@@ -41,22 +41,15 @@ MODES = ("whole", "region", "region_hash")
 
 
 def child(mode: str, layers: int) -> dict:
-    from transformers.generation import CompileConfig
     from transformers.models.llama import modeling_llama
 
     if mode != "whole":   # a lab experiment: the library patches nothing of transformers outside integrations/
         hashed = {"reuse_hash_fn": lambda *args, **kwargs: 0} if mode == "region_hash" else {}
         layer = modeling_llama.LlamaDecoderLayer
         layer.forward = torch.compiler.nested_compile_region(layer.forward, **hashed)
-    model = tiny_llama(layers)
-    cfg = fe.EntropyConfig(segment_size=256, block_size=128, dense_prefix=512, decode_budget=96, decode_delay=4,
-                           recompress_every=8)
-    fe.enable(model, cfg)
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True
-    cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=2048)
+    model, cache, compile_config = warm_up_setup(layers)
     start = time.perf_counter()
-    fe.warm_up(model, [900, 1234], cache=cache, compile_config=compile_config)
+    fe.warm_up(model, WARM_UP_LENGTHS, cache=cache, compile_config=compile_config)
     seconds = time.perf_counter() - start
     phases, graphs = compile_phases(), compiled_graphs()
     ids = torch.randint(0, 250, (1, 1000), generator=torch.Generator().manual_seed(1))

@@ -469,6 +469,23 @@ def test_bad_batch_size_is_rejected(tmp_path: Path, loaded: Loaded) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def test_missing_essays_stop_a_run_before_the_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.eval import commands as cli
+
+    def missing() -> Path:
+        raise FileNotFoundError("Paul Graham's essays not found: install them")
+
+    def no_load(*args: Any) -> Loaded:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "essays_dir", missing)
+    monkeypatch.setattr(cli, "load_model", no_load)
+    with pytest.raises(SystemExit, match="niah_single, vt: Paul Graham's essays not found"):
+        cli.main(["run", "--tasks", "vt", "niah_single", "code_recall", "--out", str(tmp_path)])
+    with pytest.raises(AssertionError, match="the model was loaded"):     # code recall needs no essays
+        cli.main(["run", "--tasks", "code_recall", "--lengths", "1024", "--out", str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path, loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """``run`` (dense and entropy prefill, full and latent cache, 1 sample) then ``report``, through the CLI."""

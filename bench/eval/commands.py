@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.data import essays_dir
 from bench.eval.runner import EVAL_CONFIG, Loaded, RunConflict, expand_grid, is_finished, load_model
-from bench.eval.tasks import PLACEMENTS, TASKS
+from bench.eval.tasks import PLACEMENTS, SOURCE_TASKS, TASKS
 from bench.loading import DTYPES
 from bench.models import MODEL_HELP, MODELS
 from flexentropy.cli.loading import YARN_HELP
@@ -166,9 +167,15 @@ def _loader(args: argparse.Namespace) -> Any:
 
 
 def _check_run(args: argparse.Namespace) -> None:
-    """What argparse cannot check of a ``run``'s arguments (ValueError)."""
+    """What argparse cannot check of a ``run``'s arguments, and the essays its tasks draw from, before a model is
+    loaded (ValueError)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if set(args.tasks) - SOURCE_TASKS:
+        try:
+            essays_dir()
+        except FileNotFoundError as err:
+            raise ValueError(f"{', '.join(sorted(set(args.tasks) - SOURCE_TASKS))}: {err}") from None
 
 
 def cmd_run(args: argparse.Namespace, load: Any = None) -> int:

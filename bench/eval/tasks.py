@@ -451,6 +451,8 @@ TASKS: dict[str, Callable[[Draw], Sample]] = {
     "summarise": summarise,
 }
 """Task name -> generator."""
+SOURCE_TASKS = frozenset({"code_recall"})
+"""Tasks drawn from the Python standard library's sources; every other task draws from the essays."""
 
 
 def sample_seed(task: str, length: int, index: int, seed: int = 0) -> str:

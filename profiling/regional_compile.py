@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
-from cpu_costs import WARM_UP_LENGTHS, compile_phases, compiled_graphs, warm_up_setup  # noqa: E402
+from cpu_costs import WARM_UP_LENGTHS, compile_phases, compiled_graphs, run_child, warm_up_setup  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 
@@ -141,12 +139,9 @@ def main() -> None:
     rows = [row for row in kept if row["mode"] not in args.modes or row["layers"] != args.layers]
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / mode)}
             for run in ("cold", "kept"):
-                out = subprocess.run([sys.executable, __file__, "--child", mode, "--layers", str(args.layers)],
-                                     env=env, check=True, capture_output=True, text=True).stdout
-                rows.append({"mode": mode, "cache_dir": run, "layers": args.layers,
-                             **json.loads(out.strip().splitlines()[-1])})
+                child_row = run_child(__file__, ["--child", mode, "--layers", str(args.layers)], Path(tmp) / mode)
+                rows.append({"mode": mode, "cache_dir": run, "layers": args.layers, **child_row})
                 phases = rows[-1]["compile_phases_s"]
                 print(f"{mode:12s} {run:5s} warm-up {rows[-1]['seconds']:6.1f} s, compiling {phases['total']:5.1f} s "
                       f"(tracing {phases['bytecode_tracing']:5.1f}, backend {phases['backend']:5.1f}), "

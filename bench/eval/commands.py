@@ -171,11 +171,12 @@ def _check_run(args: argparse.Namespace) -> None:
     loaded (ValueError)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if set(args.tasks) - SOURCE_TASKS:
+    essay_tasks = sorted(set(args.tasks) - SOURCE_TASKS)
+    if essay_tasks:
         try:
             essays_dir()
         except FileNotFoundError as err:
-            raise ValueError(f"{', '.join(sorted(set(args.tasks) - SOURCE_TASKS))}: {err}") from None
+            raise ValueError(f"{', '.join(essay_tasks)}: {err}") from None
 
 
 def cmd_run(args: argparse.Namespace, load: Any = None) -> int:

@@ -119,13 +119,14 @@ def test_compiled_step_writes_its_token_in_place() -> None:
     buffers at 128k on an 8B model)."""
     from torch._inductor.utils import run_and_get_code
 
-    from flexentropy.caches.static_buffers import StaticBuffers
+    from flexentropy.caches.static_buffers import StaticBuffers, write_step
 
     buffers = StaticBuffers(4099)
     buffers.allocate(1, torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8))
     key, value = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
     slot, position = torch.tensor([1, 4098]), torch.tensor([7, 9])
-    _, code = run_and_get_code(torch.compile(lambda: buffers.write(0, key, value, slot, position)))
+    layer = buffers.layer(0, torch.zeros(2, 6, 4, 8))
+    _, code = run_and_get_code(torch.compile(lambda: write_step(layer, key, value, slot, position)))
     assert not any(str(n) in source for source in code for n in (2 * 3 * 4099 * 8, 2 * 3 * 4099)), \
         "a kernel of the compiled write runs over a whole buffer"
     assert torch.equal(buffers.keys[0][[0, 1], :, [1, 4098]], key[:, :, 0])
@@ -551,10 +552,10 @@ def test_cuda_flash_decode_matches_reference(batch: int, capacity: int, splits: 
 
 
 def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
-    """transformers compiles the decode forward for the cache; the phase-1 steps run eagerly, and the static step's
-    `prepare` runs before the compiled call, so the static step is one whole graph with no break (the decoder's
-    pre-hook traces to nothing; as an eager hook it broke the step into two graphs around it); after
-    one request, another prompt length and more steps compile nothing (``error_on_recompile``)."""
+    """``generate``'s compiled decode runs the step driver: the phase-1 steps run eagerly, and the static step runs
+    its decoder layers in one compiled function, each handed its own buffers, so the three layers compile one graph
+    with no break (a layer index read inside would compile one per layer); after one request, another prompt length
+    and more steps compile nothing (``error_on_recompile``)."""
     model = model_for("llama", EVICTING)
     ids = prompt(300)
     expected = greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), 40, disable_compile=True)
@@ -569,6 +570,31 @@ def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = greedy(model, other, StaticLatentKVCache(EVICTING, model=model), 70, compile_config=cpu_compile())
     assert torch.equal(got, expected)
+
+
+def test_compiled_layers_leave_the_layers_as_they_were() -> None:
+    """A static step runs each decoder layer through the compiled region and gives the layers back their own
+    ``forward`` afterwards: a layer's instance ``forward`` set by another library survives, the others have none."""
+    from flexentropy.integrations.compiled_layers import compiled_layers, decoder_layers
+
+    model = model_for("llama", EVICTING)
+    layers = decoder_layers(model)
+    own = layers[1].forward   # stands for a hook another library put on one layer
+    layers[1].forward = own
+    ran: list[int] = []
+
+    def region(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        ran.append(kwargs["flexentropy_step"].keys.data_ptr())
+        return type(layer).forward(layer, *args, **kwargs)
+
+    cache = StaticLatentKVCache(EVICTING, model=model)
+    greedy(model, prompt(300), cache, 8, disable_compile=True)   # to the static phase
+    with torch.no_grad(), compiled_layers(model, region, cache):
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[308]]), **{cache_keyword(model): cache},
+              use_cache=True)
+    assert ran == [cache.stage.keys[i].data_ptr() for i in range(3)]   # each layer its own buffers, in order
+    assert vars(layers[1])["forward"] is own
+    assert "forward" not in vars(layers[0]) and "forward" not in vars(layers[2])
 
 
 class TinyEntropyLM(nn.Module):
@@ -763,17 +789,22 @@ def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:
     assert torch.equal(got, expected)
 
 
-def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
     """No host-device synchronisation on the decode path: over 40 steps after the prompt, through the first eviction,
-    the recompressions and the static steps (eager forwards and the cache's decisions), nothing reads a tensor's
-    value on the host (``item``, ``__bool__``, ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for
-    the GPU there), and no host value is copied into a tensor (a copy from pageable memory waits too)."""
+    the recompressions and the static steps (eager forwards, or the compiled layers' eager surroundings, which a CUDA
+    graph records, and the cache's decisions), nothing reads a tensor's value on the host (``item``, ``__bool__``,
+    ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for the GPU there), and no host value is copied
+    into a tensor (a copy from pageable memory waits too)."""
     from flexentropy.integrations.step_driver import step_driver
 
     model = model_for("llama", EVICTING)
     cache = StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400)
     ids = prompt(300)
-    driver = step_driver(model, None, torch.device("cpu"), compiled=False)
+    driver = step_driver(model, cpu_compile(), torch.device("cpu"), compiled=compiled)
+    if compiled:   # compile the steps first: tracing reads host values, a step does not
+        greedy(model, ids, cache, 24, compile_config=cpu_compile())
+        cache.reset()
     reads: list[str] = []
     with torch.no_grad():
         logits = model(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits

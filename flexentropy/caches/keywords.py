@@ -2,7 +2,8 @@
 
 transformers 5.24 renamed the cache keyword of attention modules, decoder layers, model forwards and ``generate``
 from ``past_key_values`` to ``cache`` (the old name stays a deprecated alias until 5.40); 5.17-5.23 use
-``past_key_values``. Hooks read both.
+``past_key_values``. Hooks read both. flexentropy hands its own objects to its attention function under keywords of
+its own (`CACHE_KWARG`, `STEP_KWARG`), which transformers passes through.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from typing import Any
 
 CACHE_KEYWORDS = ("cache", "past_key_values")
 """The cache's keyword, newest name first."""
+CACHE_KWARG = "flexentropy_cache"
+"""Keyword under which flexentropy's hooks hand an attention module's cache to its attention function (transformers
+does not pass the cache on)."""
+STEP_KWARG = "flexentropy_step"
+"""Keyword under which a static step run by layer arguments (`flexentropy.integrations.compiled_layers`) hands a
+layer's `StepLayer` to its attention function."""
 
 
 def cache_argument(kwargs: Mapping[str, Any]) -> Any:

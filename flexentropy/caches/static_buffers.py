@@ -4,7 +4,8 @@ views a cache policy decides on.
 - `StaticBuffers`: one stage's buffers, per layer ``keys [B, Hkv, C, D]``, ``values [B, Hkv, C, Dv]``, each
   entry's logical ``positions [B, Hkv, C]`` and ``real [B, Hkv, C]`` (False at left padding). A decode step writes
   its token at a slot held in a tensor and attends over the first ``lengths`` slots: nothing of its shapes changes
-  from step to step or request to request.
+  from step to step or request to request. A layer's step reads and writes one `StepLayer` (its buffers and query
+  window): `observe_step`, `write_step`, `attend_step`.
 - `Progress`: the host's counters of the static phase, one set for every layer (all layers see every forward):
   what a policy's decision point reads.
 - `StackedView`: a policy's `LayerView` of several layers of a stage at once, stacked along the batch dim
@@ -15,6 +16,7 @@ views a cache policy decides on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -104,33 +106,65 @@ class StaticBuffers:
                 for front, part in zip(fronts, tensor.chunk(count), strict=True):
                     front.index_copy_(0, rows, part)
 
-    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
-              position: torch.Tensor) -> None:
-        """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (int64 ``[B]``), at each row's
-        slot ``slot`` (int64 ``[B]``) of layer ``layer_idx``, in place.
+    def layer(self, layer_idx: int, window: torch.Tensor) -> StepLayer:
+        """Layer ``layer_idx``'s buffers with its query ``window``: what its static step reads and writes."""
+        return StepLayer(self.keys[layer_idx], self.values[layer_idx], self.positions[layer_idx],
+                         self.real[layer_idx], window)
 
-        Indexed writes (``index_put_``), which the compiled step makes in place; a ``scatter_`` there becomes a copy
-        of the whole buffer, every step."""
-        batch, heads = key.shape[:2]
-        at = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
-              slot[:, None])                                                       # [B, Hkv] entries
-        self.keys[layer_idx].index_put_(at, key[:, :, 0].to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].index_put_(at, value[:, :, 0].to(self.values[layer_idx].dtype))
-        self.positions[layer_idx].index_put_(at, position[:, None].expand(batch, heads))
-        self.real[layer_idx].index_put_(at, torch.ones((), dtype=torch.bool, device=slot.device))
 
-    def attend(self, layer_idx: int, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
-               scale: float | None) -> torch.Tensor:
-        """``[B, Hq, 1, Dv]``: one step's attention over layer ``layer_idx``'s slots up to each row's ``slot`` (its own
-        included): the first ``lengths`` of each row with flash-attn-4's kernel (split into up to `SPLITS` parts of at
-        least `SPLIT_ENTRIES`), else SDPA under the slots' validity (left padding excluded)."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if flash:
-            splits = split_count(keys.shape[0], self.capacity, min(SPLITS, -(-self.capacity // SPLIT_ENTRIES)))
-            return flash_decode(query, keys, values, lengths, scale, splits=splits)
-        slots = torch.arange(self.capacity, device=keys.device)
-        valid = (slots <= slot[:, None, None]) & self.real[layer_idx]
-        return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
+class StepLayer(NamedTuple):
+    """One layer's static buffers, everything its decode step reads and writes besides the step's counters: a
+    layer's step takes them as arguments, so that one compiled function serves every layer (its index is read
+    nowhere).
+
+    Attributes:
+        keys, values: ``[B, Hkv, C, D]``, ``[B, Hkv, C, Dv]``.
+        positions, real: ``[B, Hkv, C]`` int64 logical positions, bool real tokens (False at left padding).
+        window: the layer's query window ``[B, Hq, W, D]``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor
+    window: torch.Tensor
+
+
+def observe_step(layer: StepLayer, query: torch.Tensor) -> None:
+    """A step's queries ``[B, Hq, L, D]`` into ``layer``'s window, its oldest ``L`` dropped, in place."""
+    window = layer.window
+    window.copy_(torch.cat([window[:, :, query.shape[2]:], query.to(window.dtype)], dim=2))
+
+
+def write_step(layer: StepLayer, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
+               position: torch.Tensor) -> None:
+    """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (int64 ``[B]``), at each row's
+    slot ``slot`` (int64 ``[B]``) of ``layer``, in place.
+
+    Indexed writes (``index_put_``), which the compiled step makes in place; a ``scatter_`` there becomes a copy
+    of the whole buffer, every step."""
+    batch, heads = key.shape[:2]
+    at = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
+          slot[:, None])                                                       # [B, Hkv] entries
+    layer.keys.index_put_(at, key[:, :, 0].to(layer.keys.dtype))
+    layer.values.index_put_(at, value[:, :, 0].to(layer.values.dtype))
+    layer.positions.index_put_(at, position[:, None].expand(batch, heads))
+    layer.real.index_put_(at, torch.ones((), dtype=torch.bool, device=slot.device))
+
+
+def attend_step(layer: StepLayer, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
+                scale: float | None) -> torch.Tensor:
+    """``[B, Hq, 1, Dv]``: one step's attention over ``layer``'s slots up to each row's ``slot`` (its own included):
+    the first ``lengths`` of each row with flash-attn-4's kernel (split into up to `SPLITS` parts of at least
+    `SPLIT_ENTRIES`), else SDPA under the slots' validity (left padding excluded)."""
+    keys, values = layer.keys, layer.values
+    capacity = keys.shape[-2]
+    if flash:
+        splits = split_count(keys.shape[0], capacity, min(SPLITS, -(-capacity // SPLIT_ENTRIES)))
+        return flash_decode(query, keys, values, lengths, scale, splits=splits)
+    slots = torch.arange(capacity, device=keys.device)
+    valid = (slots <= slot[:, None, None]) & layer.real
+    return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
 
 
 @dataclass

@@ -12,8 +12,9 @@ Phases (design.md §2):
 In a static phase the entries live in preallocated buffers (`StaticBuffers`: per layer ``keys [B, Hkv, C, D]`` and
 so on) with a query window ``[B, Hq, W, D]`` per layer, and the step's counters are tensors: the slot the token is
 written to, the entries each row reads (``lengths``) and the token's position. A step writes, attends and
-advances those counters inside its own graph (the last layer's `attend` advances them), so the host does nothing
-between steps but `prepare`: it counts the step and, on the steps where the latent policy decides (the first
+advances those counters inside its own graph (`advance`: the last layer's `attend`, or, where each layer's step runs
+on its `StepLayer` by `step_attention`, the step driver after the last layer), so the host does nothing between
+steps but `prepare`: it counts the step and, on the steps where the latent policy decides (the first
 eviction, each recompression), runs the decision for every layer at once on a `StackedView` of the buffers (score ->
 keep -> gather, as `LatentKVCache` decides each layer), in chunks of layers where the scores of a long prompt would
 not fit in memory together.
@@ -47,7 +48,16 @@ from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.policy_layer import PolicyLayer, nan_entries
-from flexentropy.caches.static_buffers import Progress, StackedView, StaticBuffers, static_buffer
+from flexentropy.caches.static_buffers import (
+    Progress,
+    StackedView,
+    StaticBuffers,
+    StepLayer,
+    attend_step,
+    observe_step,
+    static_buffer,
+    write_step,
+)
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode_attention import decode_attention, flash_decode_usable, grouped_attention
 from flexentropy.kv.keep import gather_kv
@@ -210,7 +220,8 @@ class StaticLatentKVCache(LatentKVCache):
         self._pending = q_len
 
     def end_step(self) -> None:
-        """The host's end of a static step (the step driver calls it after replaying one): the step is counted."""
+        """The host's end of a static step (after its `advance`; the step driver calls it after replaying one): the
+        step is counted."""
         self._pending = 0
 
     def _check_layer_idx(self, layer_idx: int) -> None:
@@ -432,9 +443,8 @@ class StaticLatentKVCache(LatentKVCache):
 
     # -- the step, static where it can be --------------------------------------------------------------------------
     def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
-        if self.stage is not None:   # one step's queries into the window buffer, its oldest dropped, in place
-            window = self.window[layer_idx]
-            window.copy_(torch.cat([window[:, :, query_states.shape[2]:], query_states.to(window.dtype)], dim=2))
+        if self.stage is not None:
+            observe_step(self.step_layer(layer_idx), query_states)
         elif torch.compiler.is_compiling():
             eager(PolicyCache.observe_queries, self, query_states, layer_idx)
         else:
@@ -442,10 +452,10 @@ class StaticLatentKVCache(LatentKVCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        stage = self.stage
-        if stage is not None:
-            stage.write(layer_idx, key_states, value_states, self.counters["slot"], self.counters["position"])
-            return stage.keys[layer_idx], stage.values[layer_idx]
+        if self.stage is not None:
+            layer = self.step_layer(layer_idx)
+            write_step(layer, key_states, value_states, self.counters["slot"], self.counters["position"])
+            return layer.keys, layer.values
         self._check_layer_idx(layer_idx)
         if torch.compiler.is_compiling():
             eager(PolicyCache.update, self, key_states, value_states, layer_idx)
@@ -457,19 +467,40 @@ class StaticLatentKVCache(LatentKVCache):
         """Decode attention of layer ``layer_idx``'s newest token over what it holds; ``attention_mask`` is not read
         (padding comes from ``observe_padding``). In a static stage the last layer's call ends the step: the
         counters advance (in the step's graph)."""
-        stage = self.stage
-        if stage is not None:
-            counters = self.counters
-            out = stage.attend(layer_idx, query, counters["slot"], counters["lengths"], self.flash, scale)
+        if self.stage is not None:
+            out = self._attend_step(self.step_layer(layer_idx), query, scale)
             if layer_idx == len(self.layers) - 1:
-                for counter in counters.values():
-                    counter.add_(1)
-                self._pending = 0
+                self.advance()
+                self.end_step()
             return out
         layer = self.layers[layer_idx]
         if torch.compiler.is_compiling():
             return eager(layer_attention, layer, query, scale)
         return layer_attention(layer, query, scale)
+
+    # -- a static step by layer arguments --------------------------------------------------------------------------
+    def step_layer(self, layer_idx: int) -> StepLayer:
+        """Layer ``layer_idx``'s buffers in the current static stage and its query window (`StepLayer`)."""
+        return self.stage.layer(layer_idx, self.window[layer_idx])
+
+    def step_attention(self, layer: StepLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+        """One layer's whole static step, ``observe_queries``, ``update`` and ``attend`` in one, on ``layer`` (its
+        `step_layer`) instead of a layer index: ``query [B, Hq, 1, D]``, the step's ``key`` and ``value``
+        ``[B, Hkv, 1, D]`` -> ``[B, Hq, 1, Dv]``. It reads nothing of the layer but ``layer``, so one compiled
+        function runs every layer's step (`flexentropy.integrations.compiled_layers`); the counters do not advance
+        (`advance`, after the last layer)."""
+        observe_step(layer, query)
+        write_step(layer, key, value, self.counters["slot"], self.counters["position"])
+        return self._attend_step(layer, query, scale)
+
+    def _attend_step(self, layer: StepLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        counters = self.counters
+        return attend_step(layer, query, counters["slot"], counters["lengths"], self.flash, scale)
+
+    def advance(self) -> None:
+        """The device's end of a static step: its counters advance by one token (inside the step's graph)."""
+        torch._foreach_add_(list(self.counters.values()), 1)
 
     # -- readers ---------------------------------------------------------------------------------------------------
     def stored_entries(self, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs
 
 What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
 ``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
-steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts); over other caches, SDPA.
+steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts), or, in a static step run by
+layer arguments, through ``cache.step_attention`` on the layer's buffers; over other caches, SDPA.
 ``torch.compile(model)`` traces all of this. Inference only, causal attention only.
 """
 
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from flexentropy.caches.keywords import CACHE_KWARG, STEP_KWARG
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.integrations.hooks import CACHE_KWARG, real_tokens
+from flexentropy.integrations.hooks import real_tokens
 from flexentropy.integrations.settings import LayerState, layer_state
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 
@@ -38,7 +40,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             at prefill).
         attention_mask: from :func:`logical_mask`: bool ``[B, 1, L, T]`` over logical key positions, or None.
         dropout: must be 0 (inference only). scaling: softmax scale. sliding_window: set on sliding layers.
-        kwargs: ``flexentropy_cache`` (from the pre-hook) and HF's pass-through kwargs.
+        kwargs: ``flexentropy_cache`` (from the pre-hook), ``flexentropy_step`` (a static step by layer arguments:
+            `flexentropy.integrations.compiled_layers`) and HF's pass-through kwargs.
 
     Returns:
         ``([B, L, Hq, Dv], None)`` like HF's SDPA attention.
@@ -47,8 +50,11 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ValueError(f"flexentropy attention is inference-only (dropout={dropout}); call model.eval()")
     if not kwargs.get("is_causal", True):
         raise ValueError("flexentropy attention is causal only (got is_causal=False)")
-    state = layer_state(module)
     cache = kwargs.get(CACHE_KWARG)
+    step = kwargs.get(STEP_KWARG)
+    if step is not None:   # a static step by layer arguments: nothing of the module is read (one graph, all layers)
+        return cache.step_attention(step, query, key, value, scaling).transpose(1, 2).contiguous(), None
+    state = layer_state(module)
     policy = isinstance(cache, PolicyCache)
     if policy:
         cache.check_positions(kwargs.get("position_ids"), module.layer_idx)

@@ -33,13 +33,11 @@ from torch.utils.hooks import RemovableHandle
 from transformers.masking_utils import create_masks_for_generate
 
 from flexentropy._compile import eager
-from flexentropy.caches.keywords import cache_argument
+from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
+from flexentropy.integrations.compiled_layers import decoder_layers
 from flexentropy.integrations.step_driver import forget_drivers, step_driver
-
-CACHE_KWARG = "flexentropy_cache"
-"""Keyword under which `hand_over_cache` hands the module's cache to the attention function."""
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 """Model -> the handles of the hooks `install` registered on it."""
@@ -88,7 +86,10 @@ def real_tokens(mask: torch.Tensor) -> torch.Tensor:
 def hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """An attention module's forward pre-hook: pass its cache (``cache`` or ``past_key_values``) on as
     `CACHE_KWARG`; before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
-    ``update``) and, for a sliding-window layer, its window."""
+    ``update``) and, for a sliding-window layer, its window. A call that carries `CACHE_KWARG` already (a static
+    step by layer arguments) is left as it is."""
+    if CACHE_KWARG in kwargs:   # a static step by layer arguments hands the cache over itself
+        return args, kwargs
     cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
     if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 \
@@ -151,7 +152,7 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tens
     """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
     logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
+    layers = decoder_layers(model)
     norm = getattr(decoder, "norm", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if layers is None or norm is None or head is None:

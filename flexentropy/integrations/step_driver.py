@@ -1,10 +1,12 @@
 """`StepDriver`: the one owner of a model's decode-step order over `StaticLatentKVCache`s (the cache's `prepare`,
 then the step of its stage, recorded once and replayed), and `step_driver`, each model's drivers.
 
-On CUDA a static step is the compiled forward (inductor, no CUDA graphs of its own) recorded in one CUDA graph per
-(cache buffers, stage, batch) and replayed: no guard, no launch and no host work between the replays but the cache's
-decisions on the steps where its policy decides. Elsewhere the compiled forward runs as it is. ``generate`` reaches
-the driver through ``model.get_compiled_call`` (`flexentropy.integrations.hooks`), `flexentropy.greedy_generate`
+A static step is the model's forward with every decoder layer in one compiled function (inductor, no CUDA graphs
+of its own), each layer handed its buffers (`flexentropy.integrations.compiled_layers`): dynamo traces one layer per
+stage, not the whole model. On CUDA that step is recorded in one CUDA graph per (cache buffers, stage, batch) and
+replayed: no guard, no launch and no host work between the replays but the cache's decisions on the steps where its
+policy decides. Elsewhere the step runs as it is. ``generate`` reaches the driver through
+``model.get_compiled_call`` (`flexentropy.integrations.hooks`), `flexentropy.greedy_generate`
 directly; the drivers live here, per model (weakly), not on the model.
 """
 
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from flexentropy.caches.keywords import cache_keyword
+from flexentropy.integrations.compiled_layers import compiled_layers, layer_region
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor, Any], Any]
 """``(model, tokens [B, 1] int64, position_ids [B, 1] int64, cache) -> output``: a model's one-token step
@@ -41,10 +44,10 @@ class StepDriver:
     cache's `prepare` (its decisions, when due), then the step of the cache's stage.
 
     - on the dynamic path (the prompt's phase 1 outside the prompt buffers, a later turn), the eager forward;
-    - in a static stage, the compiled forward; with ``capture`` (CUDA), that forward recorded once per (cache
-      buffers, stage, batch) as a CUDA graph and replayed: recording runs the step twice on a side stream (compiling
-      it the first time) and undoes what it changed (`StaticLatentKVCache.snapshot`), so the request's step is the
-      first replay.
+    - in a static stage, the forward with its decoder layers compiled (`compiled_layers`), then the cache's
+      ``advance``; with ``capture`` (CUDA), that step recorded once per (cache buffers, stage, batch) as a CUDA graph
+      and replayed: recording runs the step twice on a side stream (compiling it the first time) and undoes what it
+      changed (`StaticLatentKVCache.snapshot`), so the request's step is the first replay.
 
     A replay's output is the one object recorded with the graph; the next replay overwrites its tensors (read the
     logits before the next step, as ``generate`` and the greedy loops do).
@@ -52,8 +55,8 @@ class StepDriver:
     Args:
         model: the model (held weakly: the drivers live beside it, `step_driver`).
         forward: its step (`Forward`), eager.
-        compile_options: ``torch.compile`` keywords of the static steps (None: static steps run ``forward`` eagerly,
-            and nothing is recorded).
+        compile_options: ``torch.compile`` keywords of the static steps' decoder layers (None: static steps run
+            ``forward`` eagerly, and nothing is recorded).
         capture: record static steps as CUDA graphs (the model on CUDA).
     """
 
@@ -61,8 +64,8 @@ class StepDriver:
                  capture: bool) -> None:
         self.model = weakref.ref(model)
         self.forward = forward
-        self.compiled = None if compile_options is None else torch.compile(forward, **compile_options)
-        self.capture = capture and self.compiled is not None
+        self.region = None if compile_options is None else layer_region(compile_options)
+        self.capture = capture and self.region is not None
         self.recordings: weakref.WeakKeyDictionary[Any, dict[tuple, Recording]] = weakref.WeakKeyDictionary()
         self.pool: Any = None
 
@@ -73,18 +76,28 @@ class StepDriver:
         try:
             cache.prepare(tokens.shape[1])
             stage = cache.stage
-            if stage is None or tokens.shape[1] != 1 or self.compiled is None:
+            if stage is None or tokens.shape[1] != 1 or self.region is None:
                 return self.forward(model, tokens, positions, cache)
-            if not self.capture:
-                return self.compiled(model, tokens, positions, cache)
-            recording = self._recording(model, cache, stage, tokens, positions)
-            recording.tokens.copy_(tokens)
-            recording.positions.copy_(positions)
-            recording.graph.replay()
+            if self.capture:
+                recording = self._recording(model, cache, stage, tokens, positions)
+                recording.tokens.copy_(tokens)
+                recording.positions.copy_(positions)
+                recording.graph.replay()
+                output = recording.output
+            else:
+                output = self._static_step(model, tokens, positions, cache)
             cache.end_step()
-            return recording.output
+            return output
         finally:
             cache.driven = False
+
+    def _static_step(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        """A static step: the forward with every decoder layer in the region (`compiled_layers`), then the
+        counters advance."""
+        with compiled_layers(model, self.region, cache):
+            output = self.forward(model, tokens, positions, cache)
+        cache.advance()
+        return output
 
     def _recording(self, model: nn.Module, cache: Any, stage: Any, tokens: torch.Tensor,
                    positions: torch.Tensor) -> Recording:
@@ -97,12 +110,12 @@ class StepDriver:
             side.wait_stream(torch.cuda.current_stream(tokens.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.compiled(model, *inputs, cache)
+                    self._static_step(model, *inputs, cache)
                     cache.restore(saved)
             torch.cuda.current_stream(tokens.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output = self.compiled(model, *inputs, cache)
+                output = self._static_step(model, *inputs, cache)
             cache.restore(saved)
             self.pool = graph.pool()
             recordings[key] = Recording(graph, *inputs, output)

@@ -597,6 +597,21 @@ def test_compiled_layers_leave_the_layers_as_they_were() -> None:
     assert "forward" not in vars(layers[0]) and "forward" not in vars(layers[2])
 
 
+def test_the_compiled_layers_refuse_to_fall_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its recompile limit the decode step's compiled layer raises `RecompileLimitError` instead of running
+    every layer eagerly from then on: here a limit of one graph, and a cache with two stages (phase 1 captured)."""
+    from flexentropy import _compile
+
+    model = model_for("llama", EVICTING)
+    torch._dynamo.reset()
+    monkeypatch.setattr(_compile, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.raises(_compile.RecompileLimitError, match="recompile limit"):
+        greedy(model, prompt(300), StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400), 8,
+               compile_config=cpu_compile())
+    torch._dynamo.reset()
+
+
 class TinyEntropyLM(nn.Module):
     """Embedding, `EntropyAttention` layers with residuals, LM head: a model built from flexentropy's module."""
 

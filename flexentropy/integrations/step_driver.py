@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flexentropy._compile import no_silent_fallback
 from flexentropy.caches.keywords import cache_keyword
 from flexentropy.integrations.compiled_layers import compiled_layers, layer_region
 
@@ -93,8 +94,9 @@ class StepDriver:
 
     def _static_step(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
         """A static step: the forward with every decoder layer in the region (`compiled_layers`), then the
-        counters advance."""
-        with compiled_layers(model, self.region, cache):
+        counters advance. The region holds up to ``flexentropy._compile.RECOMPILE_LIMIT`` graphs (stages, batch sizes,
+        models of a process) and says so past them, instead of running its layers eagerly from then on."""
+        with no_silent_fallback(), compiled_layers(model, self.region, cache):
             output = self.forward(model, tokens, positions, cache)
         cache.advance()
         return output

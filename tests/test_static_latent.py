@@ -605,8 +605,8 @@ def test_the_compiled_layers_refuse_to_fall_back_to_eager(monkeypatch: pytest.Mo
     model = model_for("llama", EVICTING)
     torch._dynamo.reset()
     monkeypatch.setattr(_compile, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    with pytest.raises(_compile.RecompileLimitError, match="recompile limit"):
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(_compile.RecompileLimitError,
+                                                                      match="recompile limit"):
         greedy(model, prompt(300), StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400), 8,
                compile_config=cpu_compile())
     torch._dynamo.reset()

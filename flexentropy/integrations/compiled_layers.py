@@ -28,10 +28,14 @@ from torch import nn
 from flexentropy.caches.keywords import CACHE_KEYWORDS, CACHE_KWARG, STEP_KWARG
 
 
+def decoder_module(model: nn.Module) -> nn.Module | None:
+    """The decoder of an HF causal LM (``model.model``), or None."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The decoder layers of an HF causal LM (``model.model.layers``), or None."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    return getattr(decoder, "layers", None)
+    return getattr(decoder_module(model), "layers", None)
 
 
 def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ from flexentropy._compile import eager
 from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
-from flexentropy.integrations.compiled_layers import decoder_layers
+from flexentropy.integrations.compiled_layers import decoder_module
 from flexentropy.integrations.step_driver import forget_drivers, step_driver
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
@@ -151,8 +151,8 @@ def _no_mask_for_static_steps(create: Callable[..., Any]) -> Callable[..., Any]:
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:
     """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
     logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = decoder_layers(model)
+    decoder = decoder_module(model)
+    layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if layers is None or norm is None or head is None:

@@ -294,3 +294,32 @@ def test_chunked_prefill_benchmark_runs_tiny_on_cpu(tmp_path: Path) -> None:
         assert min(row["chunk_densities"]) < 1 or not row["aligned_to_segments"]
         assert row["rel_l2_chunked_vs_whole"] < 0.05
         assert max(row["rel_l2_dense_chunked_vs_dense"], row["rel_l2_flex_dense_chunked_vs_dense"]) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_cuda_chunks_compile_once_and_run_their_plans(backend: str) -> None:
+    """On the GPU, the default path (the probe kernel, the compiled selection and kernel; FLASH under ``"auto"`` where
+    flash-attn-4 is installed, its ``mask_mod`` reading the chunk's offset from a device tensor): after two whole
+    prompts (the probe kernel's warm-up, `test_cuda_probe_kernel_compiles_once_for_every_length`), chunks at new
+    starts and lengths compile nothing, and every chunk's output is its plan's masked attention."""
+    cfg = EntropyConfig(segment_size=256, block_size=128, dense_prefix=1024, dense_last_segment=False,
+                        dense_layers=(), backend=backend)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q_all = torch.randn(1, 8, 9000, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k_all, v_all = (torch.randn(1, 2, 9000, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+
+    def run(q_start: int, end: int, strict: bool) -> None:
+        q, k, v = q_all[..., q_start:end, :], k_all[..., :end, :], v_all[..., :end, :]
+        with torch._dynamo.config.patch(error_on_recompile=True) if strict else contextlib.nullcontext():
+            plan = select_blocks(q, k, cfg, q_start=q_start)
+            out = sparse_prefill_attention(q, k, v, cfg, q_start=q_start, plan=plan)
+            dense = sparse_prefill_attention(q, k, v, cfg.replace(dense_prefix=end), q_start=q_start)
+        ref = reference.masked_attention(q.cpu(), k.cpu(), v.cpu(), plan.to_dense_mask().cpu())
+        assert rel_err(out.cpu(), ref) < 2e-2, (q_start, end)
+        assert rel_err(dense.cpu(), bottom_right_causal(q.cpu(), k.cpu(), v.cpu())) < 2e-2, (q_start, end)
+
+    run(0, 6000, strict=False)
+    run(0, 4500, strict=False)
+    for q_start, end in ((3000, 6000), (2900, 7900), (5000, 5064), (4100, 4800), (0, 9000), (8192, 9000)):
+        run(q_start, end, strict=True)

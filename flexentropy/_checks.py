@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
+from dataclasses import fields
+from typing import Any
 
 import torch
 
@@ -49,14 +52,56 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *,
         raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
 
 
+def check_tokens(owner: str, name: str, tokens: object, *, dims: int = 2) -> None:
+    """Raise unless ``tokens`` is a tensor of ``dims`` dims (``input_ids [B, N]``; ``inputs_embeds [B, N, d]`` with
+    ``dims=3``) holding at least one row of at least one token."""
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == dims and tokens.shape[0] and tokens.shape[1]:
+        return
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{owner} expects {name} as a tensor, got {type(tokens).__name__}")
+    shape = "[batch, tokens]" if dims == 2 else "[batch, tokens, hidden]"
+    if tokens.dim() == dims - 1:
+        hint = f": one prompt needs its batch dim, {name}[None]"
+    elif tokens.dim() == dims:
+        hint = ": an empty prompt has no token to attend and no next token to predict; give at least one token"
+    else:
+        hint = ""
+    raise ValueError(f"{owner} expects {name} {shape} with at least one row and one token, got "
+                     f"{list(tokens.shape)}{hint}")
+
+
 def is_int(value: object) -> bool:
-    """Whether ``value`` is an int and not a bool (the one test of integer knobs)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Whether ``value`` is an integer and not a bool (the one test of integer knobs): an int, or a numpy integer
+    such as ``np.int64(256)``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
-    """Whether ``value`` is an int or a float and not a bool (the one test of real-valued knobs)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """Whether ``value`` is a real number and not a bool (the one test of real-valued knobs): an int or a float, or
+    a numpy integer or float such as ``np.float32(0.5)``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with a numpy integer or float (`is_int`, `is_number`) as Python's int or float, a tuple's items
+    likewise; anything else as it is."""
+    if isinstance(value, tuple):
+        return tuple(plain(item) for item in value)
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def plain_fields(knobs: Any) -> None:
+    """Every field of the frozen dataclass ``knobs`` as `plain` makes it, in place (its ``__post_init__`` calls it
+    before validating): a knob given as ``np.int64(256)`` is held as the int 256, which compiled code and JSON
+    take like any other."""
+    for field in fields(knobs):
+        object.__setattr__(knobs, field.name, plain(getattr(knobs, field.name)))
 
 
 def check_layer_idx(layer_idx: int) -> None:
@@ -68,14 +113,16 @@ def label(owner: str, name: str) -> str:
     return f"{owner}.{name}" if owner else name
 
 
-def check_int(owner: str, name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> None:
+def check_int(owner: str, name: str, value: object, minimum: int | None = 0, maximum: int | None = None, *,
+              minimum_is: str = "") -> None:
     """Raise unless ``value`` is an int (not a bool) ``>= minimum`` (any int when ``minimum`` is None) and, when
-    ``maximum`` is given, ``<= maximum``."""
+    ``maximum`` is given, ``<= maximum``. ``minimum_is`` says where a minimum that is another knob comes from (e.g.
+    ``"window=64: ..."``), for the message."""
     if not is_int(value):
         raise TypeError(f"{label(owner, name)} must be an int, got {type(value).__name__} {value!r}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         if maximum is None:
-            expected = f">= {minimum}"
+            expected = f">= {minimum}" + (f" ({minimum_is})" if minimum_is else "")
         elif minimum is None:
             expected = f"<= {maximum}"
         else:

@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from torch import Tensor
 
-from flexentropy._checks import check_choice, check_int, check_number, check_odd, is_int, is_number, label
+from flexentropy._checks import (
+    check_choice,
+    check_int,
+    check_number,
+    check_odd,
+    is_int,
+    is_number,
+    label,
+    plain_fields,
+)
 
 Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
@@ -155,6 +164,7 @@ class EntropyConfig:
     decode_kernel: Literal["auto", "sdpa", "flash"] = "auto"
 
     def __post_init__(self) -> None:
+        plain_fields(self)
         owner = type(self).__name__
         for name in ("segment_size", "block_size", "sink_blocks", "local_blocks", "dense_prefix",
                      "decode_budget", "decode_window", "decode_delay", "decode_pool"):

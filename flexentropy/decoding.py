@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int
+from flexentropy._checks import check_int, check_tokens
 
 DecodeStep = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 """``(tokens [B, L] int64, cache, position_ids [B, L] int64) -> logits [B, L, V]``: one forward of a model."""
@@ -108,7 +108,8 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
     from flexentropy.integrations.step_driver import step_driver
 
     check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
-    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+    check_tokens("greedy_generate", "input_ids", input_ids)
+    if input_ids.dtype != torch.long:
         raise ValueError(f"greedy_generate expects input_ids int64 [B, N], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
     if not isinstance(cache, StaticLatentKVCache | StaticCache):

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from flexentropy._checks import check_layer_idx, is_int
+from flexentropy._checks import check_layer_idx, is_int, plain
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.prefill import sparse_prefill_attention
@@ -94,6 +94,8 @@ class EntropyAttention(nn.Module):
                  bias: bool = False, compiled: bool = True, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        hidden_size, num_heads, num_kv_heads, head_dim, layer_idx = (
+            plain(value) for value in (hidden_size, num_heads, num_kv_heads, head_dim, layer_idx))
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not is_int(value) or value < 1:
@@ -136,6 +138,11 @@ class EntropyAttention(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [batch, seq_len, hidden_size={self.hidden_size}], "
                              f"got {tuple(hidden_states.shape)}")
+        weights = self.q_proj.weight.dtype
+        if hidden_states.dtype != weights:
+            raise TypeError(f"EntropyAttention's weights are {weights} but hidden_states are {hidden_states.dtype}: "
+                            f"cast one to the other (module.to({hidden_states.dtype}) or "
+                            f"hidden_states.to({weights}))")
         if cache is not None and not (hasattr(cache, "update") and hasattr(cache, "get_seq_length")):
             raise TypeError(f"cache must have update() and get_seq_length() (e.g. flexentropy.LatentKVCache), "
                             f"got {type(cache).__name__}")

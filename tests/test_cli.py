@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -169,8 +170,8 @@ def test_the_wheel_ships_the_library_alone_and_its_command_runs_installed(tiny_m
     in the repository) and the command's entry point; installed into a fresh environment, the command prints its
     help, runs on a local model, and without transformers says in one line what to install. Offline: no index."""
     source, dist, venv = tmp_path / "source", tmp_path / "dist", tmp_path / "venv"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", "dist",
-                                                                ".hypothesis", ".pytest_cache", ".ruff_cache"))
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
+                                                                "dist", ".hypothesis", ".pytest_cache", ".ruff_cache"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
                     str(dist)], check=True, capture_output=True, text=True)
@@ -183,7 +184,12 @@ def test_the_wheel_ships_the_library_alone_and_its_command_runs_installed(tiny_m
     assert read["entry_points.txt"].split("\n")[:2] == ["[console_scripts]", "flexentropy = flexentropy.cli:main"]
     assert "Requires-Dist: numpy" in read["METADATA"]
 
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # the packages this interpreter sees (torch, transformers): from a virtual environment's python,
+    # --system-site-packages would give the base interpreter's instead. A .pth file's lines join sys.path without
+    # their own .pth files being read, so an editable install of the repository there does not come along.
+    (site_packages,) = venv.glob("lib/python*/site-packages")
+    (site_packages / "outer.pth").write_text("".join(f"{path}\n" for path in site.getsitepackages()))
     subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index",
                     "--ignore-installed", "-q", str(wheel)], check=True, capture_output=True, text=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # nothing but the installed copy

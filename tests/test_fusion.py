@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -101,3 +105,36 @@ def test_chunked_mlps_give_the_same_logits(fuse: bool) -> None:
         fe.chunk_mlp(chunked, 0)
     with pytest.raises(ValueError, match="found no MLP in Linear"):
         fe.chunk_mlp(nn.Linear(2, 2), 8)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_fused_model_saves_and_loads_as_the_unfused_one(arch: str, tmp_path: Path) -> None:
+    """``save_pretrained`` of a fused model wrote the stacked ``qkv_proj``/``gate_up_proj``, which
+    ``from_pretrained`` dropped, loading q/k/v/gate/up as random weights. The state dict now keeps the unfused names
+    (views of the stacked weights), and ``load_state_dict`` stacks them back."""
+    plain, fused = pair(arch)
+    fe.fuse_projections(fused)
+    state = fused.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, plain.state_dict()[name]), name
+    fused.save_pretrained(tmp_path / "fused")
+    plain.save_pretrained(tmp_path / "plain")
+    with safe_open(tmp_path / "fused" / "model.safetensors", "pt") as saved, \
+            safe_open(tmp_path / "plain" / "model.safetensors", "pt") as expected:
+        assert set(saved.keys()) == set(expected.keys())
+    loaded = type(plain).from_pretrained(tmp_path / "fused").eval()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, plain(ids).logits, atol=0, rtol=0)
+
+    torch.manual_seed(5)
+    other = ARCHS[arch]().eval()
+    fe.fuse_projections(other)
+    other.load_state_dict(plain.state_dict())          # an unfused checkpoint into a fused model
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-5)
+    restored = copy.deepcopy(other)
+    restored.load_state_dict(fused.state_dict())       # and its own state dict back
+    assert torch.equal(restored.model.layers[1].self_attn.qkv_proj.weight,
+                       fused.model.layers[1].self_attn.qkv_proj.weight)

@@ -31,7 +31,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from flexentropy import EntropyConfig
+from flexentropy import EntropyConfig, StaticLatentKVCache, greedy_generate
 from flexentropy.caches import LatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
@@ -249,6 +249,72 @@ def test_observe_padding_reads_left_padding_only() -> None:
     assert cache.layers[1].padding is None
     with pytest.raises(ValueError, match="bool"):
         cache.observe_padding(real.long(), 0)
+    with pytest.raises(ValueError, match=r"row 1 of the prompt ends in padding \(right padding\).*Pad on the left"):
+        cache.observe_padding(torch.tensor([[True, True, True], [True, True, False]]), 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_right_padded_batch_gives_the_dense_tokens_or_asks_for_left_padding(arch: str) -> None:
+    """A right-padded batch through ``generate``: the padded row's tokens follow its padding, as transformers warns.
+    With transformers' own cache they are dense's (the sparse prefill gave the padding's queries no attention, so the
+    padded row's first token differed); a flexentropy cache, whose evictions read left padding only, refuses the
+    batch and says to pad on the left."""
+    ids, mask, _ = left_padded((PROMPT, 500))
+    ids[1], mask[1] = ids[1].roll(-(PROMPT - 500)), mask[1].roll(-(PROMPT - 500))   # the same row, right-padded
+    assert not mask[1, -1]
+    dense, model = twins(arch, SMALL)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*right-padding was detected")
+        expected = greedy(dense, ids, attention_mask=mask)
+        assert torch.equal(greedy(model, ids, attention_mask=mask), expected)
+        assert prefill_density(model) < 1.0                                   # the rows went sparse
+        for cache in (LatentKVCache(SMALL), make_cache("full", model=model)):
+            with pytest.raises(ValueError, match=r"batch row 1 of the prompt ends in padding.*Pad on the left"):
+                greedy(model, ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_a_cache_filled_by_one_model_refuses_a_model_of_another_depth() -> None:
+    """A `LatentKVCache` filled on a 3-layer model continued on a 2-layer one: the 2-layer model read the other's
+    entries, and the third layer's stayed behind; it now raises and names `reset`, after which the cache serves the
+    other model."""
+    three = enable(ARCHS["llama"]().eval(), SMALL)
+    two = enable(LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 2})).eval(), SMALL)
+    ids, cache = prompt(300), LatentKVCache(SMALL, model=three)
+    conversation = three.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"a model of 2 layers runs on a LatentKVCache that a model of 3 layers "
+                                         r"filled.*cache.reset\(\)"):
+        two.generate(conversation, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    cache.reset()
+    assert torch.equal(greedy(two, ids, past_key_values=cache), greedy(two, ids, past_key_values=LatentKVCache(SMALL)))
+
+
+def test_a_cache_takes_a_model_or_says_what_it_needs() -> None:
+    with pytest.raises(TypeError, match="LatentKVCache: model must be the transformers model the cache serves.*"
+                                        "got str 'abc'; or pass num_layers="):
+        LatentKVCache(SMALL, model="abc")
+    with pytest.raises(TypeError, match="PolicyCache: model must be"):
+        make_cache("snapkv", model=object())
+    assert LatentKVCache(SMALL, model=ARCHS["gemma3"]()).num_layers == 4
+
+
+def test_an_input_of_no_token_or_no_batch_dim_says_so() -> None:
+    """An empty prompt (``input_ids`` of shape ``[1, 0]``) got transformers' reshape error from inside the attention;
+    a prompt without its batch dim a size mismatch inside RoPE."""
+    _, model = twins("llama", SMALL)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    for run in (lambda: model(empty), lambda: model.generate(empty, max_new_tokens=2, past_key_values=LatentKVCache()),
+                lambda: model(inputs_embeds=torch.zeros(1, 0, 64))):
+        with pytest.raises(ValueError, match=r"the model expects (input_ids|inputs_embeds) \[batch, tokens.*got "
+                                             r"\[1, 0(, 64)?\]: an empty prompt"):
+            run()
+    with pytest.raises(ValueError, match=r"got \[5\]: one prompt needs its batch dim, input_ids\[None\]"):
+        model(prompt(5)[0])
+    assert model(prompt(5)).logits.shape == (1, 5, VOCAB)
+    cache = StaticLatentKVCache(SMALL, model=model)
+    with pytest.raises(ValueError, match=r"greedy_generate expects input_ids \[batch, tokens\].*got \[1, 0\]"):
+        greedy_generate(model, empty, cache, 2, compiled=False)
+    with pytest.raises(TypeError, match="greedy_generate expects input_ids as a tensor, got list"):
+        greedy_generate(model, [[5, 6]], cache, 2, compiled=False)
 
 
 def test_observe_sliding_keeps_the_window() -> None:

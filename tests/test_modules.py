@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
@@ -86,6 +87,17 @@ def test_rejects_bad_arguments() -> None:
         attention(torch.randn(2, 5, 32))
     with pytest.raises(TypeError, match="update\\(\\) and get_seq_length\\(\\)"):
         attention(torch.randn(2, 5, 64), cache={})
+    # bf16 states into float32 weights got torch's matmul dtype error
+    with pytest.raises(TypeError, match=r"EntropyAttention's weights are torch.float32 but hidden_states are "
+                                        r"torch.bfloat16: cast one to the other \(module.to\(torch.bfloat16\) or "
+                                        r"hidden_states.to\(torch.float32\)\)"):
+        attention(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    sized = EntropyAttention(np.int64(64), np.int64(4), np.int32(2), layer_idx=np.int64(1), head_dim=np.int64(16))
+    assert (sized.hidden_size, sized.num_kv_heads, sized.head_dim, sized.layer_idx) == (64, 2, 16, 1)
+    assert type(sized.hidden_size) is int
+    with torch.no_grad():
+        assert attention.to(torch.bfloat16)(torch.randn(2, 5, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        assert sized(torch.randn(1, 3, 64)).shape == (1, 3, 64)
 
 
 def test_example_model_generates_like_dense_and_evicts() -> None:

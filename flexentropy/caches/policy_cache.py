@@ -15,9 +15,23 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from flexentropy._checks import check_int, check_layer_idx
+from flexentropy._checks import check_int, check_layer_idx, plain
 from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.policies.base import CachePolicy
+
+
+def model_depth(model: Any, owner: str) -> int:
+    """Decoder layers of the transformers model ``model`` (its text config's ``num_hidden_layers``); ``TypeError``
+    for anything else (``owner``: the class that asks, for the message)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = getattr(text, "num_hidden_layers", None)
+    if depth is None:
+        shown = repr(model) if len(repr(model)) <= 60 else f"{repr(model)[:57]}..."
+        raise TypeError(f"{owner}: model must be the transformers model the cache serves (its "
+                        f"config.num_hidden_layers gives the layer count), got {type(model).__name__} {shown}; or "
+                        f"pass num_layers=")
+    return depth
 
 
 class PolicyCache(Cache):
@@ -44,12 +58,12 @@ class PolicyCache(Cache):
         super().__init__(layers=[])
         self.policy = policy
         if num_layers is None and model is not None:
-            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            num_layers = config.num_hidden_layers
+            num_layers = model_depth(model, type(self).__name__)
         if num_layers is not None:
             check_int("", "num_layers", num_layers, 1)
-        self.num_layers = num_layers
+        self.num_layers = plain(num_layers)
         self._dims: dict[str, tuple[int, str]] = {}  # name -> (size, the call that fixed it)
+        self._depth: int | None = None  # decoder layers of the model that ran on the cache since the last reset
         self._hidden: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -62,9 +76,10 @@ class PolicyCache(Cache):
         return self.layers[layer_idx]
 
     def reset(self) -> None:
-        """Empty every layer for a new request, which may have another batch size."""
+        """Empty every layer for a new request, which may have another batch size (or another model)."""
         super().reset()
         self._dims.clear()
+        self._depth = None
         self._hidden.clear()
 
     def _check_dims(self, where: str, **sizes: int) -> None:
@@ -98,13 +113,22 @@ class PolicyCache(Cache):
         """Hand over which prompt tokens are real, ``real_tokens [B, N]`` bool (before `observe_queries`).
 
         A left-padded row's padding entries are then never attended by the scores, rank below every real entry
-        when entries are evicted, and are not sinks, so each row keeps what it would keep alone. Only left padding
-        (each row's real tokens last and contiguous, as ``generate`` pads) is read; other patterns are ignored.
+        when entries are evicted, and are not sinks, so each row keeps what it would keep alone. Left padding
+        (each row's real tokens last and contiguous, as ``generate`` pads) is read; a row whose prompt ends in
+        padding (right padding) raises ``ValueError``: its next tokens would follow the padding; other patterns
+        (a masked token inside a prompt) are ignored.
         """
         if not isinstance(real_tokens, torch.Tensor) or real_tokens.dtype != torch.bool or real_tokens.dim() != 2:
             got = (f"{real_tokens.dtype} {list(real_tokens.shape)}" if isinstance(real_tokens, torch.Tensor)
                    else type(real_tokens).__name__)
             raise ValueError(f"observe_padding expects a bool [B, N] mask of real tokens, got {got}")
+        right = (real_tokens.any(dim=-1) & ~real_tokens[:, -1]).nonzero().flatten()
+        if right.numel():
+            raise ValueError(
+                f"{type(self).__name__}: batch row {int(right[0])} of the prompt ends in padding (right padding): the "
+                f"tokens generated next would follow its padding. Pad on the left (tokenizer.padding_side = 'left'), "
+                f"as generate expects. A prompt that holds the pad token id needs its attention_mask passed: without "
+                f"one, generate masks every token equal to pad_token_id")
         layer = self._layer(layer_idx)
         pads = (~real_tokens).sum(dim=-1)
         left = torch.arange(real_tokens.shape[-1], device=real_tokens.device) >= pads[:, None]
@@ -116,6 +140,19 @@ class PolicyCache(Cache):
         apply to it (flexentropy's HF attention calls this for Gemma3's local layers and the like)."""
         check_int("observe_sliding", "window", window, 1)
         self._layer(layer_idx).sliding_window = window
+
+    def check_depth(self, num_layers: int) -> None:
+        """Raise ``ValueError`` when a model of ``num_layers`` decoder layers runs a forward on this cache after a model
+        of another depth did, since the cache was made or last `reset` (a cache holds one model's request; without
+        the check, the shallower model would continue from the other's entries). Not while compiling."""
+        if torch.compiler.is_compiling():
+            return
+        if self._depth is None:
+            self._depth = num_layers
+        elif num_layers != self._depth:
+            raise ValueError(f"a model of {num_layers} layers runs on a {type(self).__name__} that a model of "
+                             f"{self._depth} layers filled: a cache holds one model's request. Call cache.reset() "
+                             f"(or use a new cache) before running another model on it")
 
     def check_positions(self, position_ids: torch.Tensor | None, layer_idx: int) -> None:
         """Raise ``ValueError`` when the tokens of a forward on a layer that already held a conversation do not

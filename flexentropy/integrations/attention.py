@@ -57,6 +57,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     state = layer_state(module)
     policy = isinstance(cache, PolicyCache)
     if policy:
+        cache.check_depth(module.config.num_hidden_layers)
         cache.check_positions(kwargs.get("position_ids"), module.layer_idx)
         cache.observe_queries(query, module.layer_idx)
     if query.shape[-2] == key.shape[-2]:
@@ -101,6 +102,9 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
             span = slice(start, stop)
             row_q, row_k, row_v = (t[rows, :, span].contiguous() for t in (query, key, value))
             out[rows, :, span], plan = _sparse(row_q, row_k, row_v, state, module.layer_idx, scaling)
+            if stop < query.shape[-2]:   # right padding: its queries attend every real token, as under HF's mask
+                out[rows, :, stop:] = F.scaled_dot_product_attention(query[rows, :, stop:], row_k, row_v,
+                                                                     scale=scaling, enable_gqa=True)
         else:
             out[rows] = F.scaled_dot_product_attention(query[rows], key[rows], value[rows], attn_mask=mask[rows],
                                                        scale=scaling, enable_gqa=True)

@@ -57,5 +57,5 @@ def chunk_mlp(model: nn.Module, tokens: int | None = 65536) -> int:
         if isinstance(chunked, ChunkedForward):
             del mlp.forward                     # back to the class's forward
         if tokens is not None:
-            mlp.forward = ChunkedForward(mlp.forward, tokens)
+            mlp.forward = ChunkedForward(mlp.forward, int(tokens))
     return len(mlps)

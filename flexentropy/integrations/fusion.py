@@ -10,9 +10,16 @@ registered on their parent as ``qkv_proj`` (``gate_up_proj``), whose weight hold
 fused). The first member called with an input computes the whole product and keeps it; the others called with the
 same tensor take their columns of it, and the last of them drops it. A member called with another input computes
 the group's product for it afresh, so every forward stays what it was.
+
+The state dict keeps the unfused layout: the parent's ``state_dict`` gives each member's rows under its own name
+(``q_proj.weight``, views of the stacked weight) in place of the group's, so ``save_pretrained`` writes a checkpoint
+that ``from_pretrained`` loads into the unfused model; the parent's ``load_state_dict`` stacks them back.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,7 @@ class FusedLinear(nn.Module):
     def __init__(self, linears: list[nn.Linear]) -> None:
         super().__init__()
         first = linears[0]
+        self.biased = [linear.bias is not None for linear in linears]
         self.sizes = [linear.out_features for linear in linears]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(linears))]
         self.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]),
@@ -85,6 +93,34 @@ class FusedMember(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, index={self.index}"
 
 
+def _unfused_state(name: str, parent: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """State-dict post-hook of the parent of group ``name``: the group's stacked weight (and bias) leave ``state``,
+    and each member's rows take their place under its own name (module docstring)."""
+    group = getattr(parent, name)
+    for kind in ("weight", "bias"):
+        stacked = state.pop(f"{prefix}{name}.{kind}", None)
+        if stacked is None:
+            continue
+        for member, offset, size, biased in zip(GROUPS[name], group.offsets, group.sizes, group.biased, strict=True):
+            if kind == "weight" or biased:
+                state[f"{prefix}{member}.{kind}"] = stacked.narrow(0, offset, size)
+
+
+def _fused_state(name: str, parent: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state-dict pre-hook of the parent of group ``name``: the members' tensors under their own names (an
+    unfused checkpoint, or `_unfused_state`'s) stacked into the group's, where ``state`` holds all of them."""
+    group = getattr(parent, name)
+    for kind in ("weight", "bias"):
+        keys = {member: f"{prefix}{member}.{kind}" for member, biased in zip(GROUPS[name], group.biased, strict=True)
+                if kind == "weight" or biased}
+        if not keys or not all(key in state for key in keys.values()):
+            continue
+        like = state[next(iter(keys.values()))]
+        parts = [state.pop(keys[member]) if member in keys else like.new_zeros(size)
+                 for member, size in zip(GROUPS[name], group.sizes, strict=True)]
+        state[f"{prefix}{name}.{kind}"] = torch.cat(parts)
+
+
 def _fusable(linears: list[object]) -> bool:
     if not all(type(linear) is nn.Linear for linear in linears):
         return False
@@ -103,7 +139,8 @@ def fuse_projections(model: nn.Module) -> int:
     For a model whose attentions and MLPs name their linears as Llama, Qwen2, Mistral or Gemma do. Apply it before
     ``torch.compile`` (or `flexentropy.warm_up`); the outputs equal the unfused model's within the rounding of a
     wider matrix product. Each group's weights are copied once into the stacked one, parent by parent, and the
-    originals freed, so the extra memory is one parent's group at a time.
+    originals freed, so the extra memory is one parent's group at a time. ``state_dict`` (and so ``save_pretrained``)
+    gives the unfused names, and ``load_state_dict`` takes them (module docstring).
 
     Raises:
         ValueError: no group to fuse, or a group whose linears are not plain tensors.
@@ -118,6 +155,8 @@ def fuse_projections(model: nn.Module) -> int:
             parent.add_module(name, group)
             for index, member in enumerate(members):
                 setattr(parent, member, FusedMember(group, index))
+            parent.register_state_dict_post_hook(functools.partial(_unfused_state, name))
+            parent.register_load_state_dict_pre_hook(functools.partial(_fused_state, name))
             fused += 1
     if not fused:
         raise ValueError(f"fuse_projections found no group to fuse in {type(model).__name__}: it looks for "

@@ -5,8 +5,9 @@ own caches unchanged.
 
 - Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
-- The decoder's forward pre-hook runs `StaticLatentKVCache.prepare` eagerly before every forward (its decisions
-  never run inside a compiled or captured step), unless the model's `StepDriver` runs the step (``cache.driven``).
+- The decoder's forward pre-hook refuses an input of no token (or without a batch dim) with a message, and runs
+  `StaticLatentKVCache.prepare` eagerly before every forward (its decisions never run inside a compiled or captured
+  step), unless the model's `StepDriver` runs the step (``cache.driven``).
 - ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
   through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
   forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers.masking_utils import create_masks_for_generate
 
+from flexentropy._checks import check_tokens
 from flexentropy._compile import eager
 from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
@@ -106,7 +108,18 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
     return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
 
 
+def _check_input(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuse a decoder input of no token, or one without a batch dim, with a message (transformers' own error comes
+    from deep inside the attention)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is not None:
+        check_tokens("the model", "input_ids", tokens)
+    elif kwargs.get("inputs_embeds") is not None:
+        check_tokens("the model", "inputs_embeds", kwargs["inputs_embeds"], dims=3)
+
+
 def _prepare_static_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    _check_input(args, kwargs)
     cache = cache_argument(kwargs)
     if isinstance(cache, StaticLatentKVCache) and not cache.driven:
         eager(cache.prepare, _query_length(args, kwargs))

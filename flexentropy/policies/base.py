@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._checks import check_layer_idx, check_qk, plain_fields
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.layer_view import LayerView
@@ -54,6 +54,7 @@ class PrefillPolicy:
     config: EntropyConfig = field(default_factory=EntropyConfig)
 
     def __post_init__(self) -> None:
+        plain_fields(self)
         check_config(self.config, type(self).__name__)
 
     @property
@@ -116,6 +117,9 @@ class CachePolicy:
     ragged: ClassVar[bool] = False
     stats: ClassVar[dict[str, float]] = {}
     accumulates: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        plain_fields(self)
 
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             ``[B, Hkv, q_start + M, D]`` of the positions ``0 .. q_start + M - 1``.
         config: `EntropyConfig`; a chunk (``q_start > 0``) needs ``budget_rule="coverage"`` (the default).
         layer_idx: index of the layer (selects the dense layers).
-        scale: softmax scale (default ``1 / sqrt(D)``).
+        scale: softmax scale, > 0 (default ``1 / sqrt(D)``).
         compiled: False runs eager flex (M x N scores: tests and small N only). The compiled kernel takes
             float16, bfloat16 and float32 (a float64 input raises ``TypeError``; eager flex takes it; a whole
             prompt's dense fallback, SDPA, takes it too).
@@ -61,7 +61,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_layer_idx(layer_idx)
     check_config(config)
     if scale is not None:
-        check_number("", "scale", scale)
+        check_number("sparse_prefill_attention", "scale", scale, 0, open_low=True)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU backward): "
                          "call it under torch.no_grad() or torch.inference_mode()")

@@ -52,11 +52,13 @@ class BoundedCache(InfoScoring, CachePolicy):
     top_k: int = 256
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = type(self).__name__
         check_int(owner, "sinks", self.sinks, 0)
         check_int(owner, "anchors", self.anchors, 0)
         check_int(owner, "chunk", self.chunk, 1)
-        check_int(owner, "recent", self.recent, self.chunk)
+        check_int(owner, "recent", self.recent, self.chunk,
+                  minimum_is=f"chunk={self.chunk}: the recent window holds at least one whole chunk")
         self.check_scoring(owner)
 
     @property

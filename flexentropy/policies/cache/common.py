@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flexentropy._checks import check_int
 from flexentropy.kv.scoring import pool_scores, spread_forward, window_attention_scores
 from flexentropy.policies.layer_view import LayerView
 
@@ -18,6 +19,14 @@ def window_scores(layer: LayerView, kind: str = "softmax", pool: int = 1, span: 
                                      key_positions=layer.key_positions(), kind=kind, key_mask=layer.real_entries(),
                                      group_mode=group_mode)
     return spread_forward(pool_scores(scores, pool), span)
+
+
+def check_window_budget(owner: str, budget: object, window: int) -> None:
+    """Raise unless ``budget`` (entries kept per KV head) is an int of at least ``window``: a policy that scores with
+    a query window always keeps the window's own entries."""
+    check_int(owner, "budget", budget, window,
+              minimum_is=f"window={window}: the window's own entries are always kept; a smaller budget needs a "
+                         f"smaller window=")
 
 
 def window_entries(layer: LayerView) -> int:

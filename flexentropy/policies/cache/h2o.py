@@ -36,6 +36,7 @@ class H2O(CachePolicy):
     chunk: int = 256
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = type(self).__name__
         check_int(owner, "budget", self.budget, 2)
         if self.recent is not None:

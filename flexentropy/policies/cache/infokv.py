@@ -36,7 +36,7 @@ import torch
 
 from flexentropy._checks import check_int, check_number, check_odd
 from flexentropy.policies.base import CachePolicy
-from flexentropy.policies.cache.common import window_entries, window_scores
+from flexentropy.policies.cache.common import check_window_budget, window_entries, window_scores
 from flexentropy.policies.layer_view import LayerView
 
 
@@ -130,9 +130,10 @@ class InfoKV(InfoScoring, CachePolicy):
     pool: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = type(self).__name__
         self.check_scoring(owner)
-        check_int(owner, "budget", self.budget, self.window)
+        check_window_budget(owner, self.budget, self.window)
         check_int(owner, "compress_every", self.compress_every, 1)
         check_odd(owner, "pool", self.pool)
 

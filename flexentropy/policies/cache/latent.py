@@ -36,6 +36,7 @@ class LatentPolicy(CachePolicy):
     config: EntropyConfig = field(default_factory=EntropyConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_config(self.config, "LatentPolicy")
 
     @classmethod

@@ -9,7 +9,7 @@ import torch
 
 from flexentropy._checks import check_int, check_odd
 from flexentropy.policies.base import CachePolicy
-from flexentropy.policies.cache.common import window_entries, window_scores
+from flexentropy.policies.cache.common import check_window_budget, window_entries, window_scores
 from flexentropy.policies.layer_view import LayerView
 
 
@@ -33,9 +33,10 @@ class SnapKV(CachePolicy):
     pool: int = 5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = type(self).__name__
         check_int(owner, "window", self.window, 1)
-        check_int(owner, "budget", self.budget, self.window)
+        check_window_budget(owner, self.budget, self.window)
         check_odd(owner, "pool", self.pool)
 
     @property

@@ -29,9 +29,11 @@ class StreamingLLM(CachePolicy):
     sinks: int = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = type(self).__name__
         check_int(owner, "sinks", self.sinks, 0)
-        check_int(owner, "budget", self.budget, self.sinks + 1)
+        check_int(owner, "budget", self.budget, self.sinks + 1,
+                  minimum_is=f"sinks={self.sinks} + 1: the sinks and the newest token are always kept")
 
     def capacity(self) -> int:
         return self.budget

@@ -396,7 +396,8 @@ def select_blocks(
     same rule over the segments ``q_start // L_S ..`` and query blocks ``q_start // 128 ..`` that hold its queries,
     dense when ``N <= dense_prefix``, a segment starting before ``q_start`` a dense row, the coverage at ``N``. Its
     observation is the whole prompt's of the queries extended to position 0 with zero queries (only the partial first
-    segment reads them, and it is dense). ``budget_rule="fluctuation"`` raises (a recurrence from segment 0).
+    segment reads them, and it is dense). ``budget_rule="fluctuation"`` runs its recurrence
+    from the chunk's first segment (``B = B_0`` for its first two).
     """
     _check_qk(q, k, q_start)
     batch, q_heads, _, dim = q.shape
@@ -412,8 +413,6 @@ def select_blocks(
         return ReferencePlan(causal_blocks, blocks_to_dense_mask(causal_blocks, n, blk_size, q_start), None, None,
                              None, 1.0)
     coverage = config.budget_rule == "coverage"
-    if q_start and not coverage:
-        raise ValueError("budget_rule='fluctuation' cannot plan a chunk (q_start > 0): use budget_rule='coverage'")
 
     extended = torch.cat([q.new_zeros(batch, q_heads, q_start, dim), q], dim=2)  # zero queries before the chunk
     whole = observation_attention(extended, k, seg_size, blk_size, observation=config.observation,

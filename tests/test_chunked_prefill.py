@@ -30,17 +30,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @st.composite
 def chunk_case(draw: st.DrawFn, max_n: int = 2000, dims: tuple[int, ...] = (16, 64)) -> dict:
     """A `prefill_case` of more than 256 tokens and a chunk start ``q_start < n`` (on and off the 128 and segment
-    grids): the chunk holds the queries ``q_start .. n - 1`` and the keys ``0 .. n - 1``. The fluctuation rule cannot
-    plan a chunk: coverage."""
+    grids): the chunk holds the queries ``q_start .. n - 1`` and the keys ``0 .. n - 1``. Either budget rule (the
+    fluctuation recurrence restarts at the chunk)."""
     case = draw(prefill_case(max_n=max_n, dims=dims))
     n = draw(st.one_of(st.sampled_from([n for n in EDGE_LENGTHS if 256 < n <= max_n]), st.integers(257, max_n)))
     segment = case["config"].segment_size
     starts = [s for s in (1, 127, 128, 129, segment - 1, segment, segment + 1, 2 * segment, n - 1) if 0 <= s < n]
     q_start = draw(st.one_of(st.sampled_from(starts or [0]), st.integers(0, n // 2), st.integers(0, n - 1)))
-    config = case["config"]
-    if q_start:
-        config = config.replace(budget_rule="coverage")
-    return {**case, "n": n, "q_start": q_start, "config": config}
+    return {**case, "n": n, "q_start": q_start}
 
 
 def chunk_qkv(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,10 +182,6 @@ def test_the_chunk_rule_on_a_known_geometry() -> None:
     (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, q_start=-1), ValueError, "q_start must be an int"),
     (lambda q, k, v, cfg: select_blocks(q, k, cfg, q_start=256.0), ValueError, "q_start must be an int"),
     (lambda q, k, v, cfg: select_blocks(q, k, cfg, q_start=True), ValueError, "q_start must be an int"),
-    (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg.replace(budget_rule="fluctuation"), q_start=256),
-     ValueError, r"budget_rule='fluctuation'.*q_start=256.*budget_rule='coverage'"),
-    (lambda q, k, v, cfg: select_blocks(q, k, EntropyConfig.paper(dense_prefix=0), q_start=256),
-     ValueError, "budget_rule='coverage'"),
     (lambda q, k, v, cfg: sparse_prefill_attention(q, k, v, cfg, q_start=256,
                                                    plan=select_blocks(q, k[..., 256:, :], cfg)),
      ValueError, "plan is for q_start=0, N=768"),
@@ -323,3 +316,15 @@ def test_cuda_chunks_compile_once_and_run_their_plans(backend: str) -> None:
     run(0, 4500, strict=False)
     for q_start, end in ((3000, 6000), (2900, 7900), (5000, 5064), (4100, 4800), (0, 9000), (8192, 9000)):
         run(q_start, end, strict=True)
+
+
+def test_the_fluctuation_recurrence_restarts_at_each_chunk() -> None:
+    """Alg. 3's budgets over a chunk start from ``B_0`` at its first two segments, whatever came before."""
+    q, k, _ = make_qkv({"batch": 1, "hq": 2, "hkv": 1, "n": 3072, "d": 16, "dtype": torch.float32, "seed": 2})
+    cfg = EntropyConfig(segment_size=256, block_size=128, dense_prefix=0, dense_last_segment=False,
+                        budget_rule="fluctuation", base_budget=256, budget_alpha=1.0, fluctuation_threshold=0.0)
+    plan = select_blocks(q[..., 1024:, :], k, cfg, q_start=1024)
+    ref = reference.select_blocks(q[..., 1024:, :], k, cfg, q_start=1024)
+    assert torch.equal(plan.budgets[..., :2], torch.full_like(plan.budgets[..., :2], 256.0))
+    torch.testing.assert_close(plan.budgets.double(), ref.budgets, atol=1.0, rtol=1e-3)
+    assert plan.budgets.amax() > 256     # the recurrence moves them after the restart

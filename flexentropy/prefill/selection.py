@@ -26,15 +26,6 @@ Span = int | torch.Tensor
 """A position or a length: a Python int, or (in a compiled graph, where an int would be a guard) a 0-d tensor."""
 
 
-def check_chunk_rule(config: EntropyConfig, q_start: int) -> None:
-    """Raise unless ``config`` can plan a chunk starting at ``q_start``: the ``"fluctuation"`` budgets are a
-    recurrence over every segment from the prompt's first, which a later chunk does not hold."""
-    if q_start > 0 and config.budget_rule == "fluctuation":
-        raise ValueError(f"budget_rule='fluctuation' is a recurrence over every segment from the prompt's start, so "
-                         f"a chunk starting at q_start={q_start} cannot run it: use budget_rule='coverage' (the "
-                         "default) for chunked prefill")
-
-
 def forced_blocks(candidates: torch.Tensor, segments: torch.Tensor, sink_blocks: int, local_blocks: int,
                   blocks_per_segment: int) -> torch.Tensor:
     """Candidates every segment keeps regardless of score: the first ``sink_blocks`` and the ``local_blocks``
@@ -328,7 +319,6 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     check_qk(q, k, q_start=q_start)
     check_layer_idx(layer_idx)
     check_config(config)
-    check_chunk_rule(config, q_start)
     if q.shape[-2] == 0 or config.is_dense_layer(layer_idx, k.shape[-2]):
         return dense_plan(q, config, q_start)
     return plan_blocks(q, k, config, compiled=compiled)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flexentropy._checks import check_layer_idx, check_number, check_qk
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.prefill.selection import check_chunk_rule, dense_plan, plan_blocks
+from flexentropy.prefill.selection import dense_plan, plan_blocks
 from flexentropy.sparse.kernel import run_plan
 from flexentropy.sparse.plan import SparsePlan
 
@@ -44,7 +44,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Args:
         q: ``[B, Hq, M, D]`` post-RoPE queries of the positions ``q_start .. q_start + M - 1``; k, v:
             ``[B, Hkv, q_start + M, D]`` of the positions ``0 .. q_start + M - 1``.
-        config: `EntropyConfig`; a chunk (``q_start > 0``) needs ``budget_rule="coverage"`` (the default).
+        config: `EntropyConfig`.
         layer_idx: index of the layer (selects the dense layers).
         scale: softmax scale, > 0 (default ``1 / sqrt(D)``).
         compiled: False runs eager flex (M x N scores: tests and small N only). The compiled kernel takes
@@ -68,7 +68,6 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if q.shape[-2] == 0:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if plan is None:
-        check_chunk_rule(config, q_start)
         if config.is_dense_layer(layer_idx, k.shape[-2]):
             return dense_causal_attention(q, k, v, scale, config=config, compiled=compiled)
         plan = plan_blocks(q, k, config)

@@ -123,7 +123,8 @@ def kernel_offset(start: int, device: torch.device) -> int | torch.Tensor:
     """The position of the kernel's first row as its ``mask_mod`` reads it: a 0-d int32 tensor on the device (filled:
     no host copy, no sync), so that a new offset is no guard on the compiled kernel. Inside an outer
     ``torch.compile`` the int itself: the outer graph decides what is dynamic, and torch's CPU flex template takes no
-    tensor made inside the graph (its lowering finds no kernel)."""
+    tensor made inside the graph nor a captured scalar (its lowering fails), so a whole prompt's offset of 0 must
+    leave the ``mask_mod`` capturing nothing (`causal_mask_mod`)."""
     if torch.compiler.is_compiling():
         return start
     return torch.full((), start, dtype=torch.int32, device=device)

@@ -64,8 +64,8 @@ from common import environment, record_graph, speed_config, sync, time_ms, write
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
+from flexentropy.engine.driver import StepDriver  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
-from flexentropy.integrations.step_driver import StepDriver  # noqa: E402
 
 STEP_MARK = "decode_timeline.step"
 """The profiler range around each recorded decode step."""

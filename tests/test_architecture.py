@@ -2,8 +2,8 @@
 
 - no import cycle in the library (imports inside functions count);
 - the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
-- transformers is imported only at the library's edge, and patched (hooks, replaced attributes) only by
-  `flexentropy/integrations/`;
+- transformers is imported only at the library's edge, and models are patched (hooks, replaced attributes) only by
+  the modules of `PATCHERS`;
 - no module writes another object's private attributes;
 - the lab's needle demo and its evaluation never import each other.
 """
@@ -20,16 +20,21 @@ LAB = ROOT / "bench"
 OUTSIDE = ("bench", "reference", "tests", "profiling")
 """Top-level packages beside the library that it must never import."""
 
-TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
-"""Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops, the
-command line."""
+TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations", "flexentropy.cli")
+"""Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
+the command line."""
 
-PATCHERS = ("flexentropy.integrations",)
-"""The only library modules that may install hooks on a model or set attributes of objects they were handed."""
+PATCHERS = ("flexentropy.integrations", "flexentropy.surgery", "flexentropy.engine.compiled_layer",
+            "flexentropy.cli.gguf", "flexentropy.cli.rope", "flexentropy.cli.progress")
+"""The only library modules that may install hooks on a model or set attributes of objects they were handed: the
+model backends, model surgery (its job is to rewrite a model's modules), the static step's compiled layer (each decoder
+layer's ``forward`` swapped for the step's length, then given back) and the command line's tokenizer repair, YaRN
+config and progress hooks."""
 
 LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.sparse",
-          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.caches",
-          "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
+          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.settings",
+          "flexentropy.surgery", "flexentropy.caches", "flexentropy.engine", "flexentropy.integrations",
+          "flexentropy.cli")
 """Lower layers first: a module may import its own layer and the ones before it, never a later one."""
 
 

@@ -15,7 +15,7 @@ import gguf
 import pytest
 from transformers import AutoTokenizer
 
-from flexentropy.integrations.gguf import load_tokenizer
+from flexentropy.cli.gguf import load_tokenizer
 
 # merge order = the merged piece's rank (score -rank), as in Gemma's GGUF: short frequent pieces first, so Unigram
 # (maximising the summed scores) prefers "▁w|or|ld" (-1 -2 -3) to "▁world" (-30), BPE ends at "▁world"

@@ -20,7 +20,7 @@ from transformers.generation import CompileConfig
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
 from flexentropy.caches.static_latent import layer_attention
-from flexentropy.decoding import compile_step, greedy_decode
+from flexentropy.engine.loops import compile_step, greedy_decode
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.decode_attention import flash_decode
 from reference import cache as reference
@@ -575,7 +575,7 @@ def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
 def test_compiled_layers_leave_the_layers_as_they_were() -> None:
     """A static step runs each decoder layer through the compiled region and gives the layers back their own
     ``forward`` afterwards: a layer's instance ``forward`` set by another library survives, the others have none."""
-    from flexentropy.integrations.compiled_layers import compiled_layers, decoder_layers
+    from flexentropy.engine.compiled_layer import compiled_layers, decoder_layers
 
     model = model_for("llama", EVICTING)
     layers = decoder_layers(model)
@@ -811,7 +811,7 @@ def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch, 
     graph records, and the cache's decisions), nothing reads a tensor's value on the host (``item``, ``__bool__``,
     ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for the GPU there), and no host value is copied
     into a tensor (a copy from pageable memory waits too)."""
-    from flexentropy.integrations.step_driver import step_driver
+    from flexentropy.engine.driver import step_driver
 
     model = model_for("llama", EVICTING)
     cache = StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400)

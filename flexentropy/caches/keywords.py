@@ -18,7 +18,7 @@ CACHE_KWARG = "flexentropy_cache"
 """Keyword under which flexentropy's hooks hand an attention module's cache to its attention function (transformers
 does not pass the cache on)."""
 STEP_KWARG = "flexentropy_step"
-"""Keyword under which a static step run by layer arguments (`flexentropy.integrations.compiled_layers`) hands a
+"""Keyword under which a static step run by layer arguments (`flexentropy.engine.compiled_layer`) hands a
 layer's `StepLayer` to its attention function."""
 
 

@@ -20,7 +20,7 @@ keep -> gather, as `LatentKVCache` decides each layer), in chunks of layers wher
 not fit in memory together.
 
 `prepare(q_len)` runs before every forward, once: on a model switched by `flexentropy.enable` the decoder's
-pre-hook runs it; the step driver (`flexentropy.integrations.step_driver`: what ``generate``'s compiled path,
+pre-hook runs it; the step driver (`flexentropy.engine.driver`: what ``generate``'s compiled path,
 `flexentropy.greedy_generate` and `flexentropy.generate_batch` run) calls it itself and replays the recorded step of
 the stage, with ``driven`` set so that the hook does nothing; a loop over modules without the hook
 (`EntropyAttention`) calls it before each forward.
@@ -488,7 +488,7 @@ class StaticLatentKVCache(LatentKVCache):
         """One layer's whole static step, ``observe_queries``, ``update`` and ``attend`` in one, on ``layer`` (its
         `step_layer`) instead of a layer index: ``query [B, Hq, 1, D]``, the step's ``key`` and ``value``
         ``[B, Hkv, 1, D]`` -> ``[B, Hq, 1, Dv]``. It reads nothing of the layer but ``layer``, so one compiled
-        function runs every layer's step (`flexentropy.integrations.compiled_layers`); the counters do not advance
+        function runs every layer's step (`flexentropy.engine.compiled_layer`); the counters do not advance
         (`advance`, after the last layer)."""
         observe_step(layer, query)
         write_step(layer, key, value, self.counters["slot"], self.counters["position"])

@@ -1,7 +1,7 @@
 """The ``"flexentropy"`` entry of transformers' ``AttentionInterface``: `attention_forward`.
 
 How the pieces reach it: the layer index is the module's ``layer_idx``; the `EntropyConfig` and the prefill policy
-come from the module's `LayerState` (`flexentropy.integrations.settings`); the cache argument (``cache`` from
+come from the module's `LayerState` (`flexentropy.integrations.layer_state`); the cache argument (``cache`` from
 transformers 5.24, ``past_key_values`` before), which HF does not pass on to attention functions, is copied into
 ``flexentropy_cache`` by a forward pre-hook that `flexentropy.enable` registers (`hooks.hand_over_cache`). A
 flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs (the hand-over of design.md §3.2).
@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from flexentropy.caches.keywords import CACHE_KWARG, STEP_KWARG
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.integrations.hooks import real_tokens
-from flexentropy.integrations.settings import LayerState, layer_state
+from flexentropy.integrations.layer_state import LayerState, layer_state
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 
 
@@ -41,7 +41,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         attention_mask: from :func:`logical_mask`: bool ``[B, 1, L, T]`` over logical key positions, or None.
         dropout: must be 0 (inference only). scaling: softmax scale. sliding_window: set on sliding layers.
         kwargs: ``flexentropy_cache`` (from the pre-hook), ``flexentropy_step`` (a static step by layer arguments:
-            `flexentropy.integrations.compiled_layers`) and HF's pass-through kwargs.
+            `flexentropy.engine.compiled_layer`) and HF's pass-through kwargs.
 
     Returns:
         ``([B, L, Hq, Dv], None)`` like HF's SDPA attention.

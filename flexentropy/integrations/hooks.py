@@ -36,8 +36,8 @@ from flexentropy._compile import eager
 from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
-from flexentropy.integrations.compiled_layers import decoder_module
-from flexentropy.integrations.step_driver import forget_drivers, step_driver
+from flexentropy.engine.compiled_layer import decoder_module
+from flexentropy.engine.driver import forget_drivers, step_driver
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 """Model -> the handles of the hooks `install` registered on it."""

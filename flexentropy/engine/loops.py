@@ -1,5 +1,5 @@
 """Greedy decoding loops over a `StaticLatentKVCache` (`greedy_generate` for HF causal LMs, on the model's
-`flexentropy.integrations.step_driver.StepDriver`, as ``generate``; `greedy_decode` for models of `EntropyAttention`
+`flexentropy.engine.driver.StepDriver`, as ``generate``; `greedy_decode` for models of `EntropyAttention`
 layers or any module with the same step signature), and `warm_up`, which compiles and records a server's prefill
 and decode steps once. torch and transformers are imported inside the functions where they are heavy.
 """
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flexentropy._checks import check_int
+from flexentropy.settings import model_settings
 
 DecodeStep = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 """``(tokens [B, L] int64, cache, position_ids [B, L] int64) -> logits [B, L, V]``: one forward of a model."""
@@ -71,10 +72,8 @@ def decode_settings(model: Any, device: torch.device, compile_config: Any, compi
 
 
 def served_config(model: Any, cache: Any) -> Any:
-    """The `EntropyConfig` a loop serves with: ``cache``'s, else the model's (as `flexentropy.enable` stored it)."""
-    from flexentropy.integrations.hf import CONFIG_ATTR, parse_settings
-
-    return cache.config if cache is not None else parse_settings(getattr(model.config, CONFIG_ATTR, None))[0]
+    """The `EntropyConfig` a loop serves with: ``cache``'s, else the model's `Settings`' (`flexentropy.enable`'s)."""
+    return cache.config if cache is not None else model_settings(model).config
 
 
 def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: int, *,
@@ -105,7 +104,7 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
 
     from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.step_driver import step_driver
+    from flexentropy.engine.driver import step_driver
 
     check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -191,7 +190,7 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.latent_kv import LatentKVCache
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.step_driver import step_driver
+    from flexentropy.engine.driver import step_driver
 
     check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
     check_int("generate_batch", "rows", rows, 1)
@@ -321,8 +320,8 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     Returns:
         seconds each length took, ``{length: seconds}``.
     """
+    from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.static_latent import StaticLatentKVCache
-    from flexentropy.integrations.hf import cache_keyword
 
     if cache is not None and not isinstance(cache, StaticLatentKVCache):
         raise TypeError(f"warm_up warms a StaticLatentKVCache, got {type(cache).__name__}")

@@ -2,7 +2,7 @@
 then the step of its stage, recorded once and replayed), and `step_driver`, each model's drivers.
 
 A static step is the model's forward with every decoder layer in one compiled function (inductor, no CUDA graphs
-of its own), each layer handed its buffers (`flexentropy.integrations.compiled_layers`): dynamo traces one layer per
+of its own), each layer handed its buffers (`flexentropy.engine.compiled_layer`): dynamo traces one layer per
 stage, not the whole model. On CUDA that step is recorded in one CUDA graph per (cache buffers, stage, batch) and
 replayed: no guard, no launch and no host work between the replays but the cache's decisions on the steps where its
 policy decides. Elsewhere the step runs as it is. ``generate`` reaches the driver through
@@ -23,7 +23,7 @@ from torch import nn
 
 from flexentropy._compile import no_silent_fallback
 from flexentropy.caches.keywords import cache_keyword
-from flexentropy.integrations.compiled_layers import compiled_layers, layer_region
+from flexentropy.engine.compiled_layer import compiled_layers, layer_region
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor, Any], Any]
 """``(model, tokens [B, 1] int64, position_ids [B, 1] int64, cache) -> output``: a model's one-token step

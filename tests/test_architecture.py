@@ -2,7 +2,8 @@
 
 - no import cycle in the library (imports inside functions count);
 - the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
-- transformers is imported only at the library's edge, and models are patched (hooks, replaced attributes) only by
+- transformers is imported only at the library's edge, a serving framework (vLLM) only by its backend under
+  `flexentropy/integrations/`, and models are patched (hooks, replaced attributes) only by
   the modules of `PATCHERS`;
 - no module writes another object's private attributes;
 - the lab's needle demo and its evaluation never import each other.
@@ -23,6 +24,9 @@ OUTSIDE = ("bench", "reference", "tests", "profiling")
 TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations", "flexentropy.cli")
 """Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
 the command line."""
+
+BACKEND_ONLY = {"vllm": ("flexentropy.integrations.vllm",)}
+"""Serving frameworks each imported by their own model backend under `flexentropy/integrations/` only."""
 
 PATCHERS = ("flexentropy.integrations", "flexentropy.surgery", "flexentropy.engine.compiled_layer",
             "flexentropy.cli.gguf", "flexentropy.cli.rope", "flexentropy.cli.progress")
@@ -148,6 +152,13 @@ def test_transformers_only_at_the_edge() -> None:
                        if any(is_within(m, "transformers") for m in imports(path))
                        and not any(is_within(name, allowed) for allowed in TRANSFORMERS_ALLOWED))
     assert not offenders, f"transformers imported outside {TRANSFORMERS_ALLOWED}: {offenders}"
+
+
+def test_serving_frameworks_only_in_their_backend() -> None:
+    offenders = sorted((name, framework) for name, path in sources(LIBRARY).items() for framework, allowed in
+                       BACKEND_ONLY.items() if any(is_within(m, framework) for m in imports(path))
+                       and not any(is_within(name, prefix) for prefix in allowed))
+    assert not offenders, f"a serving framework imported outside its backend {BACKEND_ONLY}: {offenders}"
 
 
 def test_only_integrations_patch_models() -> None:

@@ -348,7 +348,7 @@ def test_disable_takes_off_everything_enable_put_on() -> None:
     compiled-call routing, and the model generates as its dense twin again; `enabled` does both around a block."""
     dense, model = twins("llama", SMALL)
     hooks_on = hook_count(model)
-    assert hooks_on == 3 + 1 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
+    assert hooks_on == 3 + 2 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
     enable(model, SMALL)
     assert hook_count(model) == hooks_on
     ids = prompt()

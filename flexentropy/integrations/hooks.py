@@ -5,8 +5,9 @@ own caches unchanged.
 
 - Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
-- The decoder's forward pre-hook runs `StaticLatentKVCache.prepare` eagerly before every forward (its decisions
-  never run inside a compiled or captured step), unless the model's `StepDriver` runs the step (``cache.driven``).
+- The decoder's forward pre-hook and forward hook run the decode engine's `begin_step` and `end_step` eagerly around
+  every forward that no step driver runs (one without `DRIVER_KWARG`): a `StaticLatentKVCache`'s decisions never
+  run inside a compiled or captured step, and its counters advance once per step.
 - ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
   through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
   forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
@@ -33,11 +34,12 @@ from torch.utils.hooks import RemovableHandle
 from transformers.masking_utils import create_masks_for_generate
 
 from flexentropy._compile import eager
-from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
+from flexentropy.caches.keywords import CACHE_KWARG, DRIVER_KWARG, STEP_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
 from flexentropy.engine.compiled_layer import decoder_module
-from flexentropy.engine.driver import forget_drivers, step_driver
+from flexentropy.engine.driver import begin_step, end_step, forget_drivers, step_driver
+from flexentropy.integrations.mask import real_tokens
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 """Model -> the handles of the hooks `install` registered on it."""
@@ -54,7 +56,8 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
         return
     handles = [module.register_forward_pre_hook(hand_over_cache, with_kwargs=True) for module in attention]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    handles.append(decoder.register_forward_pre_hook(_prepare_static_step, with_kwargs=True))
+    handles.append(decoder.register_forward_pre_hook(begin_undriven_step, with_kwargs=True))
+    handles.append(decoder.register_forward_hook(end_undriven_step, with_kwargs=True))
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
         model.get_compiled_call = _route_static_steps(model, model.get_compiled_call)
@@ -77,18 +80,12 @@ def remove(model: nn.Module) -> bool:
     return True
 
 
-def real_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
-    padding."""
-    return mask[:, 0].diagonal(dim1=-2, dim2=-1)
-
-
 def hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """An attention module's forward pre-hook: pass its cache (``cache`` or ``past_key_values``) on as
     `CACHE_KWARG`; before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
-    ``update``) and, for a sliding-window layer, its window. A call that carries `CACHE_KWARG` already (a static
-    step by layer arguments) is left as it is."""
-    if CACHE_KWARG in kwargs:   # a static step by layer arguments hands the cache over itself
+    ``update``) and, for a sliding-window layer, its window. A static step by layer arguments (`STEP_KWARG`) is
+    left as it is."""
+    if STEP_KWARG in kwargs:   # its attention reads the step's `StepLayer`, no cache
         return args, kwargs
     cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
     if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
@@ -106,10 +103,18 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
     return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
 
 
-def _prepare_static_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+def begin_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The decoder's forward pre-hook: `begin_step` for a `StaticLatentKVCache`'s forward that no driver runs."""
     cache = cache_argument(kwargs)
-    if isinstance(cache, StaticLatentKVCache) and not cache.driven:
-        eager(cache.prepare, _query_length(args, kwargs))
+    if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
+        eager(begin_step, cache, _query_length(args, kwargs))
+
+
+def end_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    """The decoder's forward hook: `end_step` after a `StaticLatentKVCache`'s forward that no driver runs."""
+    cache = cache_argument(kwargs)
+    if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
+        eager(end_step, cache, _query_length(args, kwargs))
 
 
 def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
@@ -117,18 +122,18 @@ def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> 
     model's `StepDriver` and its other forwards eagerly (module docstring); ``compiled_call``: the model's own."""
     def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
         compiled = compiled_call(compile_config)
-        drivers: dict[torch.device, Any] = {}
+        driver = None   # the model's driver for ``compile_config`` (`step_driver`), found at the first step
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal driver
             cache = cache_argument(kwargs)
             if not isinstance(cache, StaticLatentKVCache):
                 return compiled(*args, **kwargs)
             tokens, positions = kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")
             if tokens is None or tokens.shape[1] != 1 or positions is None:
                 return model(*args, **kwargs)
-            driver = drivers.get(tokens.device)
             if driver is None:
-                driver = drivers[tokens.device] = step_driver(model, compile_config, tokens.device)
+                driver = step_driver(model, compile_config, tokens.device)
             return driver(tokens, positions, cache)
 
         return call

@@ -992,3 +992,49 @@ def test_a_batch_of_prompts_compiles_one_step_with_the_eager_tokens() -> None:
     assert torch.equal(alone[0], got[0])
     eager = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compiled=False)
     assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))
+
+
+def test_a_batch_stops_at_any_of_several_stop_tokens() -> None:
+    """Issue 57: ``fe.generate_batch(..., eos_token_id=[a, b])`` (a list, as ``generate`` takes) ignored the stop
+    tokens; each row now ends at the first of them (kept), from a list, a tuple or a tensor."""
+    model = model_for("llama", EVICTING)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
+    full = fe.generate_batch(model, prompts, 20, rows=2, config=EVICTING)
+    stops = [int(full[0][3]), int(full[2][6])]
+    expected = []
+    for tokens in full:
+        ends = [i for i, token in enumerate(tokens.tolist()) if token in stops]
+        expected.append(tokens[:ends[0] + 1] if ends else tokens)
+    assert any(len(cut) < len(tokens) for cut, tokens in zip(expected, full, strict=True))
+    for stop in (stops, tuple(stops), torch.tensor(stops)):
+        got = fe.generate_batch(model, prompts, 20, rows=2, config=EVICTING, eos_token_id=stop)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), stop
+    with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+        fe.generate_batch(model, prompts, 4, config=EVICTING, eos_token_id=["a"])
+
+
+def test_greedy_generate_after_generate_batch_on_the_same_cache() -> None:
+    """Issue 57: `fe.greedy_generate` on a cache that `fe.generate_batch` used, without ``reset()``, raised a tensor
+    size mismatch. `generate_batch` leaves the cache empty, so the next request gets a fresh cache's tokens; a cache
+    still serving rows one by one (``open``) refuses a prompt and names ``cache.reset()``."""
+    config = EVICTING.replace(decode_delay=0)
+    model, ids = model_for("llama", config), prompt(280, seed=7)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
+    cache = StaticLatentKVCache(config, model=model)
+    fe.generate_batch(model, prompts, 10, rows=2, config=EVICTING, cache=cache)
+    got = fe.greedy_generate(model, ids, cache, 10)
+    assert torch.equal(got, fe.greedy_generate(model, ids, StaticLatentKVCache(config, model=model), 10))
+    single = LatentKVCache(config, model=model)
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_keyword(model): single}, use_cache=True)
+    cache.open(2, single)
+    with pytest.raises(ValueError, match=r"serves its rows one by one .* call cache.reset\(\)"):
+        fe.greedy_generate(model, ids, cache, 4)
+
+
+def test_warm_up_names_the_argument_it_was_given() -> None:
+    """Issue 57: ``fe.warm_up(new_tokens=0)`` failed inside ``generate`` with an error naming ``max_new_tokens``."""
+    model = model_for("llama", EVICTING)
+    for loop in (False, True):
+        with pytest.raises(ValueError, match="warm_up.new_tokens must be >= 1, got 0"):
+            fe.warm_up(model, [300], config=EVICTING, new_tokens=0, loop=loop)

@@ -96,6 +96,11 @@ class StaticPhase:
                 self._enter_prompt()
             return   # else a phase-1 step on the dynamic path
         if q_len != 1:
+            groups = self.counters.groups
+            if len(groups) != 1 or groups[0][0].prompt_length is None:
+                raise ValueError(f"{self.owner} serves its rows one by one (open, insert, free), and a forward of "
+                                 f"{q_len} tokens is a step of none of them: call cache.reset() before another "
+                                 f"request on this cache")
             self._leave(q_len)
             return
         for progress, rows in self.counters.groups:

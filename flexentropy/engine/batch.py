@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int
+from flexentropy._checks import check_int, is_int
 from flexentropy.engine.driver import step_driver
 from flexentropy.engine.loops import decode_settings, served_config
 
 
 def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: int, *, rows: int = 8,
-                   config: Any = None, cache: Any = None, eos_token_id: int | None = None, compile_config: Any = None,
-                   compiled: bool | None = None) -> list[torch.Tensor]:
+                   config: Any = None, cache: Any = None, eos_token_id: int | Sequence[int] | None = None,
+                   compile_config: Any = None, compiled: bool | None = None) -> list[torch.Tensor]:
     """Greedy decoding of many prompts, up to ``rows`` at a time in one batched step.
 
     Each prompt is prefilled on its own (the model's sparse prefill, batch 1) into a one-row `LatentKVCache` whose
@@ -25,7 +25,8 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     (`StaticLatentKVCache.insert`). All rows decode together, each at its own position and on its own count of
     entries (its recompressions are its own), through the model's `StepDriver` (on CUDA, one recorded step for all
     rows). A row ends at ``eos_token_id`` (kept) or after ``max_new_tokens`` tokens and takes the next waiting
-    prompt. Each prompt gets the tokens of its run alone through `greedy_generate` with the same config.
+    prompt. Each prompt gets the tokens of its run alone through `greedy_generate` with the same config. The cache
+    comes back empty (``reset()``: its buffers kept), ready for the next call or another request.
 
     The host learns which rows ended after each step (one synchronisation per step, for all rows); the tokens stay
     on the device until their row ends.
@@ -41,7 +42,7 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
             ``decode_delay`` is taken as 0.
         cache: the batched `StaticLatentKVCache` to serve with (default: a new one); reusing one keeps its buffers
             and recorded step across calls.
-        eos_token_id: a row's stop token, or None.
+        eos_token_id: a row's stop token, or several (a list, as ``generate`` takes), or None.
         compile_config, compiled: as for `greedy_generate`.
 
     Returns:
@@ -65,6 +66,8 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     if cache.config.decode_delay != 0 or cache.config != config:
         raise ValueError("generate_batch: the cache's EntropyConfig must be the one it serves with, decode_delay=0")
     device = model.device
+    stops = stop_tokens(eos_token_id)
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     compile_config, compiled = decode_settings(model, device, compile_config, compiled)
     driver = step_driver(model, compile_config, device, compiled=compiled)
     single, keyword = LatentKVCache(config, model=model), cache_keyword(model)
@@ -87,7 +90,7 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
             logits = model(input_ids=ids.to(device)[None], **{keyword: single}, use_cache=True,
                            logits_to_keep=1).logits
             first = logits[:, -1:].argmax(dim=-1)
-            if max_new_tokens == 1 or int(first) == eos_token_id:
+            if max_new_tokens == 1 or int(first) in stops:
                 outputs[index] = first.view(1).cpu()
                 continue
             if not opened:
@@ -111,9 +114,21 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
             positions = positions + 1
             generated.scatter_(1, counts.clamp(max=max_new_tokens - 1)[:, None], tokens)
             counts += 1
-            ended = busy & ((counts >= max_new_tokens) | (tokens[:, 0] == (-1 if eos_token_id is None
-                                                                            else eos_token_id)))
+            ended = busy & ((counts >= max_new_tokens) | torch.isin(tokens[:, 0], stop_ids))
             for row in ended.nonzero().flatten().tolist():   # the step's one wait on the device
                 outputs[owner[row]] = generated[row, :int(counts[row])].to("cpu", copy=True)
                 admit(row)
+    cache.reset()
     return outputs
+
+
+def stop_tokens(eos_token_id: object) -> tuple[int, ...]:
+    """The stop tokens of ``eos_token_id``: None (none), a token id, or a list, tuple or 1-D tensor of them."""
+    ids = eos_token_id.tolist() if isinstance(eos_token_id, torch.Tensor) else eos_token_id
+    if ids is None:
+        return ()
+    ids = [ids] if is_int(ids) else ids
+    if not isinstance(ids, list | tuple) or not all(is_int(token) and token >= 0 for token in ids):
+        raise TypeError(f"generate_batch: eos_token_id must be a token id (an int >= 0) or a list of them, as "
+                        f"generate takes, got {eos_token_id!r}")
+    return tuple(int(token) for token in ids)

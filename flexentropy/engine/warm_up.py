@@ -92,6 +92,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         check_int("warm_up", "length", length, 1)
     if new_tokens is None:
         new_tokens = config.decode_delay + (config.recompress_every or 0) + 2
+    check_int("warm_up", "new_tokens", new_tokens, 1)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}

@@ -19,12 +19,14 @@ own caches unchanged.
   ``finish_forward`` with a function applying the final norm and the LM head (``generate`` computes logits for the
   last token only; nothing runs the model twice). A model without a final norm and LM head gets none.
 
-The handles live here, per model (weakly), not on the model.
+Every hook is a module-level function or an object holding what it needs (the model, its final norm and head), never
+a closure: a copy of the model (``copy.deepcopy``) gets hooks of its own, bound to the copy, and ``torch.save`` can
+pickle a switched model. The handles live on the model (`HOOKS_ATTR`).
 """
 
 from __future__ import annotations
 
-import weakref
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -41,13 +43,14 @@ from flexentropy.engine.compiled_layer import decoder_module
 from flexentropy.engine.driver import begin_step, end_step, forget_drivers, step_driver
 from flexentropy.integrations.mask import real_tokens
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
-"""Model -> the handles of the hooks `install` registered on it."""
+HOOKS_ATTR = "flexentropy_hooks"
+"""Attribute of a switched model holding the handles of the hooks `install` registered on it: the record lives on the
+model, so that a copy (``copy.deepcopy``) carries handles of its own hooks and ``torch.save`` keeps them."""
 
 
 def installed(model: nn.Module) -> bool:
     """Whether `install` put its hooks on ``model`` (and `remove` has not taken them off)."""
-    return model in _INSTALLED
+    return HOOKS_ATTR in vars(model)
 
 
 def install(model: nn.Module, attention: list[nn.Module]) -> None:
@@ -60,16 +63,15 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
     handles.append(decoder.register_forward_hook(end_undriven_step, with_kwargs=True))
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
-        model.get_compiled_call = _route_static_steps(model, model.get_compiled_call)
-    model.create_masks_for_generate = _no_mask_for_static_steps(
-        getattr(model, "create_masks_for_generate", create_masks_for_generate))
-    _INSTALLED[model] = handles
+        model.get_compiled_call = StaticStepRouting(model)
+    model.create_masks_for_generate = StaticStepMasks(model)
+    setattr(model, HOOKS_ATTR, handles)
 
 
 def remove(model: nn.Module) -> bool:
     """Take `install`'s hooks off ``model`` and give it back its own ``get_compiled_call``; whether there were
     any."""
-    handles = _INSTALLED.pop(model, None)
+    handles = vars(model).pop(HOOKS_ATTR, None)
     if handles is None:
         return False
     for handle in handles:
@@ -104,8 +106,14 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
 
 
 def begin_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """The decoder's forward pre-hook: `begin_step` for a `StaticLatentKVCache`'s forward that no driver runs."""
+    """The decoder's forward pre-hook: `begin_step` for a `StaticLatentKVCache`'s forward that no driver runs; a
+    flexentropy cache handed to a forward with ``use_cache=False`` is refused."""
     cache = cache_argument(kwargs)
+    if isinstance(cache, PolicyCache) and kwargs.get("use_cache") is False:
+        raise ValueError(f"a {type(cache).__name__} was passed with use_cache=False: the model then runs the whole "
+                         f"sequence again at every step (as generate(use_cache=False) does), which a cache that keeps "
+                         f"what it saw cannot serve. Pass use_cache=True (generate's default) with the cache, or no "
+                         f"cache with use_cache=False")
     if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
         eager(begin_step, cache, _query_length(args, kwargs))
 
@@ -117,11 +125,18 @@ def end_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], ou
         eager(end_step, cache, _query_length(args, kwargs))
 
 
-def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``get_compiled_call`` for ``model`` whose calls run a `StaticLatentKVCache`'s one-token steps through the
-    model's `StepDriver` and its other forwards eagerly (module docstring); ``compiled_call``: the model's own."""
-    def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
-        compiled = compiled_call(compile_config)
+class StaticStepRouting:
+    """``model.get_compiled_call`` of a switched model: its calls run a `StaticLatentKVCache`'s one-token steps through
+    the model's `StepDriver` and its other forwards eagerly (module docstring); other caches get the class's own
+    compiled call. An object holding the model, not a closure, so that a copy of the model routes to itself and
+    pickling works."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, compile_config: Any = None) -> Callable[..., Any]:
+        model = self.model
+        compiled = type(model).get_compiled_call(model, compile_config)
         driver = None   # the model's driver for ``compile_config`` (`step_driver`), found at the first step
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -138,24 +153,38 @@ def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> 
 
         return call
 
-    return get_compiled_call
 
+class StaticStepMasks:
+    """``model.create_masks_for_generate`` of a switched model: the 2D ``attention_mask`` of a
+    `StaticLatentKVCache`'s one-token steps unchanged (module docstring), the model's own masks for everything
+    else."""
 
-def _no_mask_for_static_steps(create: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``create_masks_for_generate`` that returns the 2D ``attention_mask`` of a `StaticLatentKVCache`'s one-token
-    steps unchanged (module docstring) and calls ``create`` for everything else."""
-    def create_masks(**kwargs: Any) -> Any:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, **kwargs: Any) -> Any:
         cache, embeds = kwargs.get("past_key_values"), kwargs.get("inputs_embeds")
         if isinstance(cache, StaticLatentKVCache) and embeds is not None and embeds.shape[1] == 1:
             return kwargs.get("attention_mask")
+        own = inspect.getattr_static(type(self.model), "create_masks_for_generate", None)
+        create = create_masks_for_generate if own is None else own.__get__(self.model, type(self.model))
         return create(**kwargs)
 
-    return create_masks
+
+class FinalLogits:
+    """Last-layer outputs ``[B, L, d]`` to logits ``[B, L, V]``: the final norm, the LM head and the final logit
+    soft-capping where the model has it."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module, softcap: float | None) -> None:
+        self.norm, self.head, self.softcap = norm, head, softcap
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(hidden))
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
-def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:
-    """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
-    logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, FinalLogits]:
+    """``(decoder layers, logits_fn)`` of an HF causal LM (`FinalLogits`)."""
     decoder = decoder_module(model)
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
@@ -164,34 +193,33 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tens
         raise ValueError(f"cannot find the decoder layers, final norm and LM head of {type(model).__name__}; "
                          "signal policies need an HF causal LM (model.model.layers / .norm, lm_head)")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    softcap = getattr(config, "final_logit_softcapping", None)
+    return layers, FinalLogits(norm, head, getattr(config, "final_logit_softcapping", None))
 
-    def logits_fn(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(norm(hidden))
-        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
-    return layers, logits_fn
+class SignalHook:
+    """Decoder layer ``index``'s forward hook: hands its hidden states to a cache whose policy needs them, and after
+    the last layer (``logits``: `FinalLogits`, only there) finishes the forward's signals (module docstring)."""
+
+    def __init__(self, index: int, logits: FinalLogits | None) -> None:
+        self.index, self.logits = index, logits
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        cache = cache_argument(kwargs)
+        if not getattr(cache, "wants_signals", False):
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        cache.observe_hidden(self.index, hidden)
+        if self.logits is not None:
+            cache.finish_forward(hidden, self.logits)
 
 
 def _signal_hooks(model: nn.Module) -> list[RemovableHandle]:
     """The decoder layers' forward hooks handing signals to caches that want them (module docstring); none for a
     model without a final norm and LM head."""
     try:
-        layers, logits_fn = decoder_parts(model)
+        layers, logits = decoder_parts(model)
     except ValueError:
         return []
     last = len(layers) - 1
-
-    def make_hook(index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-            cache = cache_argument(kwargs)
-            if not getattr(cache, "wants_signals", False):
-                return
-            hidden = output[0] if isinstance(output, tuple) else output
-            cache.observe_hidden(index, hidden)
-            if index == last:
-                cache.finish_forward(hidden, logits_fn)
-
-        return hook
-
-    return [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    return [layer.register_forward_hook(SignalHook(i, logits if i == last else None), with_kwargs=True)
+            for i, layer in enumerate(layers)]

@@ -24,7 +24,7 @@ from flexentropy.integrations.attention import attention_forward
 from flexentropy.integrations.layer_state import STATE_ATTR, LayerState, attention_modules
 from flexentropy.integrations.mask import logical_mask
 from flexentropy.integrations.tensor_parallel import local_heads
-from flexentropy.policies import PrefillPolicy
+from flexentropy.policies import PrefillPolicy, make_prefill
 from flexentropy.settings import CONFIG_ATTR, SETTINGS_ATTR, Settings, check_prefill, settings_dict
 from flexentropy.sparse.kernel import COMPILED_DTYPES
 
@@ -135,12 +135,19 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
 @contextlib.contextmanager
 def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
             keep_plans: bool = True) -> Iterator[PreTrainedModel]:
-    """``with fe.enabled(model, cfg): ...``: `enable` on entry, `disable` on exit (arguments as `enable`)."""
+    """``with fe.enabled(model, cfg): ...``: `enable` on entry (arguments as `enable`); on exit the model as it was:
+    `disable` for a model that was not enabled, else `enable` again with the settings it had."""
+    previous = vars(model).get(SETTINGS_ATTR) if hooks.installed(model) else None
+    modules = attention_modules(model)
+    kept = getattr(modules[0], STATE_ATTR).keep_plans if previous is not None and modules else True
     enable(model, config, prefill=prefill, keep_plans=keep_plans)
     try:
         yield model
     finally:
-        disable(model)
+        if previous is None:
+            disable(model)
+        else:
+            enable(model, prefill=make_prefill(previous.prefill, previous.config, **previous.knobs), keep_plans=kept)
 
 
 def own_config(model: PreTrainedModel) -> None:

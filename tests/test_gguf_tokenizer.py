@@ -1,4 +1,4 @@
-"""flexentropy/integrations/gguf.py: the tokenizer of a SentencePiece-BPE (Gemma) GGUF, repaired.
+"""flexentropy/cli/gguf.py: the tokenizer of a SentencePiece-BPE (Gemma) GGUF, repaired.
 
 The CI tests write a tiny tensorless GGUF whose scores make Unigram and BPE disagree as on the real Gemma vocab; the
 real-model test runs when the Gemma-3-270m GGUF is on this machine (``GEMMA3_GGUF``, /tmp/gemma3, or assembled by the

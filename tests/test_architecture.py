@@ -6,7 +6,8 @@
   `flexentropy/integrations/`, and models are patched (hooks, replaced attributes) only by
   the modules of `PATCHERS`;
 - no module writes another object's private attributes;
-- the lab's needle demo and its evaluation never import each other.
+- the lab's needle demo and its evaluation never import each other;
+- the lab (`bench/`, `profiling/`) and the oracle (`reference/`) import only the library's public names.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ LIBRARY = ROOT / "flexentropy"
 LAB = ROOT / "bench"
 OUTSIDE = ("bench", "reference", "tests", "profiling")
 """Top-level packages beside the library that it must never import."""
+
+USERS = ("bench", "profiling", "reference")
+"""The lab and the oracle: users of the library, through its public names only."""
 
 TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations", "flexentropy.cli")
 """Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
@@ -195,6 +199,29 @@ def test_layers_point_one_way() -> None:
     assert not wrong, f"imports against the layer order {LAYERS}: {wrong}"
 
 
+def private_imports(path: Path) -> list[str]:
+    """``module`` or ``module.name`` of every import of ``path`` from the library whose module or name is private
+    (a part beginning with ``_``, dunder names aside)."""
+    def private(dotted: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names
+                      if is_within(alias.name, "flexentropy") and private(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and is_within(node.module, "flexentropy"):
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if private(f"{node.module}.{alias.name}")]
+    return found
+
+
+def test_the_lab_imports_only_public_names() -> None:
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for folder in USERS
+                 for path in sorted((ROOT / folder).rglob("*.py")) for name in private_imports(path)]
+    assert not offenders, f"private library names imported by the lab or the oracle: {offenders}"
+
+
 def test_demo_and_eval_never_import_each_other() -> None:
     edges = graph(LAB)
     crossing = [(m, d) for m, deps in edges.items() for d in deps
@@ -204,7 +231,8 @@ def test_demo_and_eval_never_import_each_other() -> None:
 
 
 def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
-    """The two write checks on a planted offender: a handed-over model patched, a private attribute written."""
+    """The checks on planted offenders: a handed-over model patched, a private attribute written, private names
+    imported by the lab."""
     planted = tmp_path / "planted.py"
     planted.write_text("_NAME = '_private'\n\n"
                        "def patch(model, layer):\n"
@@ -215,3 +243,8 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
     found = [(target, attr) for _, target, attr, scope in attribute_writes(planted)
              if target in parameters(scope)]
     assert found == [("model", "forward"), ("layer", "_private")]
+    lab = tmp_path / "lab.py"
+    lab.write_text("import flexentropy._compile\nfrom flexentropy import enable, _checks\n"
+                   "from flexentropy.prefill.observation import observe, _helper\n", encoding="utf-8")
+    assert private_imports(lab) == ["flexentropy._compile", "flexentropy._checks",
+                                    "flexentropy.prefill.observation._helper"]

@@ -16,12 +16,11 @@ mask whose column ``i`` is off. Needs an attention implementation that reads 4-D
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from flexentropy._checks import is_int
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -52,13 +51,13 @@ def forward_influence(model: Any, input_ids: torch.Tensor, positions: Sequence[i
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T] or [T], got {list(input_ids.shape)}")
     total = ids.shape[1]
-    if not is_int(horizon) or not 1 <= horizon < total:
+    if isinstance(horizon, bool) or not isinstance(horizon, numbers.Integral) or not 1 <= horizon < total:
         raise ValueError(f"horizon must be an int in [1, T={total}), got {horizon!r}")
     context = total - horizon
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     if positions.numel() and not bool(((positions >= 0) & (positions < context)).all()):
         raise ValueError(f"positions must lie in the cached context [0, {context}), got {positions.tolist()}")
-    if not is_int(batch_size) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
 
     keyword = cache_keyword(model)

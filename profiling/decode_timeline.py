@@ -43,6 +43,7 @@ harness on a small model; its timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,8 +65,8 @@ from common import environment, record_graph, speed_config, sync, time_ms, write
 from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
+from flexentropy.engine import observe_steps  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
-from flexentropy.integrations.step_driver import StepDriver  # noqa: E402
 
 STEP_MARK = "decode_timeline.step"
 """The profiler range around each recorded decode step."""
@@ -162,47 +163,39 @@ def evictions(cache: Any) -> int:
 
 
 class StepRecorder:
-    """Wraps `StepDriver.__call__` (what ``generate``'s compiled path and `greedy_generate` run for every decode step
-    of a `StaticLatentKVCache`): each call's host start and end, CUDA events around it (recorded, never waited on
-    during the run) and the cache's decisions before and after, so that the phase of each step is known."""
+    """An observer of a model's decode steps (`flexentropy.engine.observe_steps`: every step ``generate``'s compiled
+    path and `greedy_generate` run through the model's step drivers): each step's host start and end, CUDA events
+    around it (recorded, never waited on during the run) and the cache's decisions before and after, so that the
+    phase of each step is known."""
 
-    def __init__(self, model: Any, cache: Any, device: torch.device, profiler: Any = None,
-                 count_syncs: bool = False) -> None:
-        self.model, self.cache, self.device, self.steps = model, cache, device, []
-        self.active, self.profiler, self.count_syncs = False, profiler, count_syncs and device.type == "cuda"
-        inner = StepDriver.__call__
+    def __init__(self, cache: Any, device: torch.device, profiler: Any = None, count_syncs: bool = False) -> None:
+        self.cache, self.device, self.steps = cache, device, []
+        self.profiler, self.count_syncs = profiler, count_syncs and device.type == "cuda"
 
-        def recorded(driver: StepDriver, *args: Any, **kwargs: Any) -> Any:
-            if not self.active:
-                return inner(driver, *args, **kwargs)
-            if self.profiler is not None and not self.steps:
-                self.profiler.start()
-            before = evictions(self.cache)
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
-            start = time.perf_counter()
-            if events:
-                events[0].record()
-            with torch.profiler.record_function(STEP_MARK), warnings.catch_warnings(record=True) as caught:
-                if self.count_syncs:   # every synchronising CUDA call inside the step warns once
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    out = inner(driver, *args, **kwargs)
-                finally:
-                    if self.count_syncs:
-                        torch.cuda.set_sync_debug_mode("default")
-            if events:
-                events[1].record()
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-            self.steps.append({"start": start, "end": time.perf_counter(), "events": events,
-                               "before": before, "after": evictions(self.cache), "syncs": syncs})
-            return out
-
-        StepDriver.__call__ = recorded
-        self._inner = inner
-
-    def remove(self) -> None:
-        StepDriver.__call__ = self._inner
+    @contextlib.contextmanager
+    def observe(self, cache: Any, tokens: torch.Tensor) -> Iterator[None]:
+        """Around one step (the `Observer` protocol)."""
+        if self.profiler is not None and not self.steps:
+            self.profiler.start()
+        before = evictions(self.cache)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+        start = time.perf_counter()
+        if events:
+            events[0].record()
+        with torch.profiler.record_function(STEP_MARK), warnings.catch_warnings(record=True) as caught:
+            if self.count_syncs:   # every synchronising CUDA call inside the step warns once
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                if self.count_syncs:
+                    torch.cuda.set_sync_debug_mode("default")
+        if events:
+            events[1].record()
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        self.steps.append({"start": start, "end": time.perf_counter(), "events": events,
+                           "before": before, "after": evictions(self.cache), "syncs": syncs})
 
     def summary(self, total_s: float, ttft_s: float, new: int) -> dict:
         """Per phase: steps, median host wall and forward GPU ms; the attribution per generated token."""
@@ -283,13 +276,10 @@ def flexentropy_rows(model: Any, ids: torch.Tensor, args: argparse.Namespace, de
                    "ttft_s": ttft, "total_s": total, "per_token_ms": (total - ttft) / (new - 1) * 1e3,
                    "ttft_runs_s": ttfts, "total_runs_s": totals, "density": prefill_density(model)}
             if index == 0:   # one more run, its steps recorded (the events add a little to it)
-                recorder = StepRecorder(model, cache, device)
-                recorder.active = True
-                try:
+                recorder = StepRecorder(cache, device)
+                with observe_steps(model, recorder.observe):
                     recorded = request_s(model, ids, cache, new, device, loop)
                     recorder.finished = time.perf_counter()
-                finally:
-                    recorder.remove()
                 timeline = recorder.summary(recorded, ttft, new)
                 row["phases"] = timeline["phases"]
                 row["attribution_per_token"] = timeline["attribution_per_token"]
@@ -306,13 +296,12 @@ def profile_row(model: Any, ids: torch.Tensor, cache: Any, new: int, device: tor
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
-    recorder = StepRecorder(model, cache, device, profiler=prof, count_syncs=True)
-    recorder.active = True
+    recorder = StepRecorder(cache, device, profiler=prof, count_syncs=True)
     try:
-        total = request_s(model, ids, cache, new, device, loop=False)
-        recorder.finished = time.perf_counter()
+        with observe_steps(model, recorder.observe):
+            total = request_s(model, ids, cache, new, device, loop=False)
+            recorder.finished = time.perf_counter()
     finally:
-        recorder.remove()
         if recorder.steps:
             prof.stop()
     if not recorder.steps:

@@ -38,7 +38,7 @@ import flexentropy as fe  # noqa: E402
 from flexentropy.prefill import estimate  # noqa: E402
 from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
 from flexentropy.prefill.entropies import segment_entropy  # noqa: E402
-from flexentropy.prefill.observation import _observation  # noqa: E402
+from flexentropy.prefill.observation import candidate_blocks, observation_attention  # noqa: E402
 from flexentropy.prefill.selection import block_table  # noqa: E402
 from flexentropy.sparse.kernel import kernel_options, run_plan  # noqa: E402
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
@@ -82,14 +82,16 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
 
     # Stages of the sparse path, each timed eagerly on its own (inputs from the previous stage); the library runs
     # them as one compiled graph on CUDA (`select_compiled_ms`), the BlockMask indices inside the kernel's graph.
-    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale, cfg.probes)
+    a_obs = observation_attention(q, k, cfg.segment_size, cfg.block_size, observation=cfg.observation,
+                                  scale=cfg.observation_scale, probes=cfg.probes)
     entropy = segment_entropy(a_obs)
     budgets = allocate_budgets(entropy, cfg)
     blocks = block_table(a_obs, budgets, cfg, n)
     plan = SparsePlan(blocks, n, cfg.block_size)
     stages = {
-        "observation_ms": lambda: _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation,
-                                               cfg.observation_scale, cfg.probes),
+        "observation_ms": lambda: observation_attention(q, k, cfg.segment_size, cfg.block_size,
+                                                        observation=cfg.observation, scale=cfg.observation_scale,
+                                                        probes=cfg.probes),
         "entropy_ms": lambda: segment_entropy(a_obs),
         "budgets_ms": lambda: allocate_budgets(entropy, cfg),
         "block_table_ms": lambda: block_table(a_obs, budgets, cfg, n),
@@ -102,8 +104,10 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
             """The probe observation by the kernel or the compiled scored path, with ``estimate.<constant>`` set."""
             def run() -> torch.Tensor:
                 with patch.object(estimate, constant, value) if constant else contextlib.nullcontext():
-                    return _observation(q, k, cfg.segment_size, cfg.block_size, "probe", cfg.observation_scale,
-                                        cfg.probes, kernel, True)
+                    mass = estimate.probe_block_mass(q, k, cfg.segment_size, cfg.block_size, cfg.probes,
+                                                     cfg.observation_scale, kernel=kernel, compiled=True)
+                    return mass.float() * candidate_blocks(*mass.shape[-2:], cfg.segment_size, cfg.block_size,
+                                                           q.device)
             return run
 
         for exponent in args.probe_chunks:   # the compiled scored chunks (what selection runs on CUDA) per chunk size

@@ -2,10 +2,12 @@
 
 - no import cycle in the library (imports inside functions count);
 - the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
-- transformers is imported only at the library's edge, and patched (hooks, replaced attributes) only by
-  `flexentropy/integrations/`;
+- transformers is imported only at the library's edge, a serving framework (vLLM) only by its backend under
+  `flexentropy/integrations/`, and models are patched (hooks, replaced attributes) only by
+  the modules of `PATCHERS`;
 - no module writes another object's private attributes;
-- the lab's needle demo and its evaluation never import each other.
+- the lab's needle demo and its evaluation never import each other;
+- the lab (`bench/`, `profiling/`) and the oracle (`reference/`) import only the library's public names.
 """
 
 from __future__ import annotations
@@ -20,16 +22,27 @@ LAB = ROOT / "bench"
 OUTSIDE = ("bench", "reference", "tests", "profiling")
 """Top-level packages beside the library that it must never import."""
 
-TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
-"""Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops, the
-command line."""
+USERS = ("bench", "profiling", "reference")
+"""The lab and the oracle: users of the library, through its public names only."""
 
-PATCHERS = ("flexentropy.integrations",)
-"""The only library modules that may install hooks on a model or set attributes of objects they were handed."""
+TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations", "flexentropy.cli")
+"""Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
+the command line."""
+
+BACKEND_ONLY = {"vllm": ("flexentropy.integrations.vllm",)}
+"""Serving frameworks each imported by their own model backend under `flexentropy/integrations/` only."""
+
+PATCHERS = ("flexentropy.integrations", "flexentropy.surgery", "flexentropy.engine.compiled_layer",
+            "flexentropy.cli.gguf", "flexentropy.cli.rope", "flexentropy.cli.progress")
+"""The only library modules that may install hooks on a model or set attributes of objects they were handed: the
+model backends, model surgery (its job is to rewrite a model's modules), the static step's compiled layer (each decoder
+layer's ``forward`` swapped for the step's length, then given back) and the command line's tokenizer repair, YaRN
+config and progress hooks."""
 
 LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.sparse",
-          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.caches",
-          "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
+          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.settings",
+          "flexentropy.surgery", "flexentropy.caches", "flexentropy.engine", "flexentropy.integrations",
+          "flexentropy.cli")
 """Lower layers first: a module may import its own layer and the ones before it, never a later one."""
 
 
@@ -145,6 +158,13 @@ def test_transformers_only_at_the_edge() -> None:
     assert not offenders, f"transformers imported outside {TRANSFORMERS_ALLOWED}: {offenders}"
 
 
+def test_serving_frameworks_only_in_their_backend() -> None:
+    offenders = sorted((name, framework) for name, path in sources(LIBRARY).items() for framework, allowed in
+                       BACKEND_ONLY.items() if any(is_within(m, framework) for m in imports(path))
+                       and not any(is_within(name, prefix) for prefix in allowed))
+    assert not offenders, f"a serving framework imported outside its backend {BACKEND_ONLY}: {offenders}"
+
+
 def test_only_integrations_patch_models() -> None:
     """Outside `PATCHERS`, the library registers no hook and sets no attribute of an object it was handed (a
     function's parameter other than ``self``/``cls``), nor any attribute through ``setattr`` on another object."""
@@ -179,6 +199,29 @@ def test_layers_point_one_way() -> None:
     assert not wrong, f"imports against the layer order {LAYERS}: {wrong}"
 
 
+def private_imports(path: Path) -> list[str]:
+    """``module`` or ``module.name`` of every import of ``path`` from the library whose module or name is private
+    (a part beginning with ``_``, dunder names aside)."""
+    def private(dotted: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names
+                      if is_within(alias.name, "flexentropy") and private(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and is_within(node.module, "flexentropy"):
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if private(f"{node.module}.{alias.name}")]
+    return found
+
+
+def test_the_lab_imports_only_public_names() -> None:
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for folder in USERS
+                 for path in sorted((ROOT / folder).rglob("*.py")) for name in private_imports(path)]
+    assert not offenders, f"private library names imported by the lab or the oracle: {offenders}"
+
+
 def test_demo_and_eval_never_import_each_other() -> None:
     edges = graph(LAB)
     crossing = [(m, d) for m, deps in edges.items() for d in deps
@@ -188,7 +231,8 @@ def test_demo_and_eval_never_import_each_other() -> None:
 
 
 def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
-    """The two write checks on a planted offender: a handed-over model patched, a private attribute written."""
+    """The checks on planted offenders: a handed-over model patched, a private attribute written, private names
+    imported by the lab."""
     planted = tmp_path / "planted.py"
     planted.write_text("_NAME = '_private'\n\n"
                        "def patch(model, layer):\n"
@@ -199,3 +243,8 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
     found = [(target, attr) for _, target, attr, scope in attribute_writes(planted)
              if target in parameters(scope)]
     assert found == [("model", "forward"), ("layer", "_private")]
+    lab = tmp_path / "lab.py"
+    lab.write_text("import flexentropy._compile\nfrom flexentropy import enable, _checks\n"
+                   "from flexentropy.prefill.observation import observe, _helper\n", encoding="utf-8")
+    assert private_imports(lab) == ["flexentropy._compile", "flexentropy._checks",
+                                    "flexentropy.prefill.observation._helper"]

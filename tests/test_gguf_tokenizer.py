@@ -1,4 +1,4 @@
-"""flexentropy/integrations/gguf.py: the tokenizer of a SentencePiece-BPE (Gemma) GGUF, repaired.
+"""flexentropy/cli/gguf.py: the tokenizer of a SentencePiece-BPE (Gemma) GGUF, repaired.
 
 The CI tests write a tiny tensorless GGUF whose scores make Unigram and BPE disagree as on the real Gemma vocab; the
 real-model test runs when the Gemma-3-270m GGUF is on this machine (``GEMMA3_GGUF``, /tmp/gemma3, or assembled by the
@@ -15,7 +15,7 @@ import gguf
 import pytest
 from transformers import AutoTokenizer
 
-from flexentropy.integrations.gguf import load_tokenizer
+from flexentropy.cli.gguf import load_tokenizer
 
 # merge order = the merged piece's rank (score -rank), as in Gemma's GGUF: short frequent pieces first, so Unigram
 # (maximising the summed scores) prefers "▁w|or|ld" (-1 -2 -3) to "▁world" (-30), BPE ends at "▁world"

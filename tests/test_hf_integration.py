@@ -7,6 +7,7 @@ left-padded batch must give each row the tokens of its solo run.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from unittest import mock
@@ -31,8 +32,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from flexentropy import EntropyConfig, StaticLatentKVCache, greedy_generate
-from flexentropy.caches import LatentKVCache, keywords, make_cache
+from flexentropy import EntropyConfig, greedy_generate
+from flexentropy.caches import LatentKVCache, StaticLatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode_attention import grouped_attention, kept_columns
@@ -414,7 +415,7 @@ def test_disable_takes_off_everything_enable_put_on() -> None:
     compiled-call routing, and the model generates as its dense twin again; `enabled` does both around a block."""
     dense, model = twins("llama", SMALL)
     hooks_on = hook_count(model)
-    assert hooks_on == 3 + 1 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
+    assert hooks_on == 3 + 2 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
     enable(model, SMALL)
     assert hook_count(model) == hooks_on
     ids = prompt()
@@ -430,6 +431,83 @@ def test_disable_takes_off_everything_enable_put_on() -> None:
     with hf.enabled(model, SMALL) as same:
         assert same is model and model.config._attn_implementation == "flexentropy" and hook_count(model) == hooks_on
     assert hook_count(model) == 0 and model.config._attn_implementation == "sdpa"
+
+
+def cpu_compile() -> object:
+    """transformers compiles ``generate``'s decode forward off CUDA only with ``_compile_all_devices`` set."""
+    from transformers.generation import CompileConfig
+
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    return config
+
+
+def test_a_deep_copy_of_an_enabled_model_is_switched_on_its_own() -> None:
+    """Issue 57: ``copy.deepcopy`` of an enabled model shared the original's hooks and compiled-call routing (under
+    ``generate``'s compiled path the copy ran the original, so its tokens followed the original's weights),
+    `disable` left the copy switched and a second `enable` doubled its hooks. The copy's hooks are its own."""
+    _, model = twins("llama", SMALL)
+    twin = copy.deepcopy(model)
+    ids = prompt(300)
+
+    def run(served: torch.nn.Module) -> torch.Tensor:
+        cache = StaticLatentKVCache(SMALL, model=served)
+        return greedy(served, ids, 12, compile_config=cpu_compile(), **{hf.cache_keyword(served): cache})
+
+    expected = run(twin)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.neg_()
+    assert torch.equal(run(twin), expected)
+    hooks = hook_count(twin)
+    enable(twin, SMALL)
+    assert hook_count(twin) == hooks
+    assert hf.disable(twin) is twin and hook_count(twin) == 0 and "get_compiled_call" not in vars(twin)
+    assert twin.config._attn_implementation == "sdpa" and hook_count(model) == hooks
+
+
+def test_enabled_gives_back_the_settings_a_model_had() -> None:
+    """Issue 57: ``with fe.enabled(model, other)`` on an enabled model left it disabled on exit; it now restores the
+    settings it had (config, prefill policy and its knobs)."""
+    from flexentropy.policies import make_prefill
+
+    _, model = twins("llama", SMALL)
+    policy = make_prefill("streaming", SMALL, window=128)
+    enable(model, prefill=policy, keep_plans=False)
+    hooks = hook_count(model)
+    with hf.enabled(model, COVERING, prefill="dense"):
+        assert {hf.layer_state(m).config for m in hf.attention_modules(model)} == {COVERING}
+    assert model.config._attn_implementation == "flexentropy" and hook_count(model) == hooks
+    states = [hf.layer_state(m) for m in hf.attention_modules(model)]
+    assert {state.policy for state in states} == {policy} and not any(state.keep_plans for state in states)
+    assert hf.parse_settings(model.config.flexentropy) == (SMALL, "streaming", policy.knobs)
+
+
+def test_an_enabled_model_pickles(tmp_path: object) -> None:
+    """Issue 57: ``torch.save`` of an enabled model failed (a local hook function cannot be pickled); the loaded model
+    is switched, decodes the same tokens and can be disabled."""
+    _, model = twins("llama", SMALL)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    ids = prompt(300)
+
+    def run(served: torch.nn.Module) -> torch.Tensor:
+        cache = StaticLatentKVCache(SMALL, model=served)
+        return greedy(served, ids, 12, disable_compile=True, **{hf.cache_keyword(served): cache})
+
+    assert torch.equal(run(loaded), run(model))
+    assert hook_count(loaded) == hook_count(model)
+    assert hf.disable(loaded) is loaded and hook_count(loaded) == 0
+
+
+def test_use_cache_false_with_a_flexentropy_cache_says_what_is_wrong() -> None:
+    """Issue 57: ``generate(use_cache=False)`` with a fresh flexentropy cache said "a new prompt on a used cache, call
+    reset"; it says that ``use_cache=False`` runs the whole sequence again at every step."""
+    _, model = twins("llama", SMALL)
+    for cache in (LatentKVCache(SMALL), StaticLatentKVCache(SMALL, model=model)):
+        with pytest.raises(ValueError, match="passed with use_cache=False: the model then runs the whole sequence"):
+            greedy(model, prompt(300), 4, use_cache=False, **{hf.cache_keyword(model): cache})
 
 
 def test_enable_refuses_dense_layers_the_model_lacks() -> None:

@@ -17,7 +17,7 @@ import torch
 
 from bench import models
 from bench.models import MODELS, ModelUnavailable, PartModel, assemble
-from flexentropy.integrations.rope import apply_yarn
+from flexentropy.cli.rope import apply_yarn
 
 SLICES = (b"GGUF-first-slice|", b"second|", b"", b"last")
 

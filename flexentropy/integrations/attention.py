@@ -1,7 +1,7 @@
 """The ``"flexentropy"`` entry of transformers' ``AttentionInterface``: `attention_forward`.
 
 How the pieces reach it: the layer index is the module's ``layer_idx``; the `EntropyConfig` and the prefill policy
-come from the module's `LayerState` (`flexentropy.integrations.settings`); the cache argument (``cache`` from
+come from the module's `LayerState` (`flexentropy.integrations.layer_state`); the cache argument (``cache`` from
 transformers 5.24, ``past_key_values`` before), which HF does not pass on to attention functions, is copied into
 ``flexentropy_cache`` by a forward pre-hook that `flexentropy.enable` registers (`hooks.hand_over_cache`). A
 flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs (the hand-over of design.md §3.2).
@@ -9,7 +9,7 @@ flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs
 What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
 ``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
 steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts), or, in a static step run by
-layer arguments, through ``cache.step_attention`` on the layer's buffers; over other caches, SDPA.
+layer arguments, through `step_attention` on the layer's `StepLayer`; over other caches, SDPA.
 ``torch.compile(model)`` traces all of this. Inference only, causal attention only.
 """
 
@@ -24,8 +24,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flexentropy.caches.keywords import CACHE_KWARG, STEP_KWARG
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.integrations.hooks import real_tokens
-from flexentropy.integrations.settings import LayerState, layer_state
+from flexentropy.caches.static_buffers import step_attention
+from flexentropy.integrations.layer_state import LayerState, layer_state
+from flexentropy.integrations.mask import real_tokens
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 
 
@@ -41,7 +42,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         attention_mask: from :func:`logical_mask`: bool ``[B, 1, L, T]`` over logical key positions, or None.
         dropout: must be 0 (inference only). scaling: softmax scale. sliding_window: set on sliding layers.
         kwargs: ``flexentropy_cache`` (from the pre-hook), ``flexentropy_step`` (a static step by layer arguments:
-            `flexentropy.integrations.compiled_layers`) and HF's pass-through kwargs.
+            `flexentropy.engine.compiled_layer`, its `StepLayer`) and HF's pass-through kwargs.
 
     Returns:
         ``([B, L, Hq, Dv], None)`` like HF's SDPA attention.
@@ -53,7 +54,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     cache = kwargs.get(CACHE_KWARG)
     step = kwargs.get(STEP_KWARG)
     if step is not None:   # a static step by layer arguments: nothing of the module is read (one graph, all layers)
-        return cache.step_attention(step, query, key, value, scaling).transpose(1, 2).contiguous(), None
+        return step_attention(step, query, key, value, scaling).transpose(1, 2).contiguous(), None
     state = layer_state(module)
     policy = isinstance(cache, PolicyCache)
     if policy:

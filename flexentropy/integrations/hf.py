@@ -1,8 +1,10 @@
 """transformers integration, one name to import it by: every public name of the modules that hold its jobs.
 
 - `flexentropy.integrations.switch`: `enable`, `disable`, `enabled`, `register`, `check_supported`, `own_config`;
-- `flexentropy.integrations.settings`: the settings record on ``model.config.flexentropy`` (`settings_dict`,
-  `parse_settings`), each attention module's `LayerState` (`layer_state`), `attention_modules`, `prefill_density`;
+- `flexentropy.settings`: the model's `Settings` and their record on ``model.config.flexentropy`` (`settings_dict`,
+  `parse_settings`);
+- `flexentropy.integrations.layer_state`: each attention module's `LayerState` (`layer_state`), `attention_modules`,
+  `prefill_density`;
 - `flexentropy.integrations.tensor_parallel`: `local_heads`;
 - `flexentropy.integrations.mask`: `logical_mask`, the ``"flexentropy"`` mask function;
 - `flexentropy.integrations.attention`: `attention_forward`, the ``"flexentropy"`` attention function;
@@ -15,20 +17,15 @@ from __future__ import annotations
 
 from flexentropy.caches.keywords import cache_keyword as cache_keyword  # re-exported: its earlier home
 from flexentropy.integrations.attention import attention_forward
-from flexentropy.integrations.mask import logical_mask
-from flexentropy.integrations.settings import (
-    CONFIG_ATTR,
-    KNOBS_KEY,
-    PREFILL_MODES,
+from flexentropy.integrations.layer_state import (
     STATE_ATTR,
     LayerState,
     PlanEdit,
     attention_modules,
     layer_state,
-    parse_settings,
     prefill_density,
-    settings_dict,
 )
+from flexentropy.integrations.mask import logical_mask
 from flexentropy.integrations.switch import (
     ATTN_IMPLEMENTATION,
     SUPPORTED_MODEL_TYPES,
@@ -40,8 +37,9 @@ from flexentropy.integrations.switch import (
     register,
 )
 from flexentropy.integrations.tensor_parallel import local_heads
+from flexentropy.settings import CONFIG_ATTR, KNOBS_KEY, PREFILL_MODES, Settings, parse_settings, settings_dict
 
 __all__ = ["ATTN_IMPLEMENTATION", "CONFIG_ATTR", "KNOBS_KEY", "PREFILL_MODES", "STATE_ATTR", "SUPPORTED_MODEL_TYPES",
-           "LayerState", "PlanEdit", "attention_forward", "attention_modules", "cache_keyword", "check_supported",
-           "disable", "enable", "enabled", "layer_state", "local_heads", "logical_mask", "own_config",
-           "parse_settings", "prefill_density", "register", "settings_dict"]
+           "LayerState", "PlanEdit", "Settings", "attention_forward", "attention_modules", "cache_keyword",
+           "check_supported", "disable", "enable", "enabled", "layer_state", "local_heads", "logical_mask",
+           "own_config", "parse_settings", "prefill_density", "register", "settings_dict"]

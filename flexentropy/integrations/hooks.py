@@ -5,9 +5,10 @@ own caches unchanged.
 
 - Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
-- The decoder's forward pre-hook refuses an input of no token (or without a batch dim) with a message, and runs
-  `StaticLatentKVCache.prepare` eagerly before every forward (its decisions never run inside a compiled or captured
-  step), unless the model's `StepDriver` runs the step (``cache.driven``).
+- The decoder's forward pre-hook refuses an input of no token (or without a batch dim) with a message; it and the
+  decoder's forward hook run the decode engine's `begin_step` and `end_step` eagerly around
+  every forward that no step driver runs (one without `DRIVER_KWARG`): a `StaticLatentKVCache`'s decisions never
+  run inside a compiled or captured step, and its counters advance once per step.
 - ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
   through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
   forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
@@ -19,12 +20,14 @@ own caches unchanged.
   ``finish_forward`` with a function applying the final norm and the LM head (``generate`` computes logits for the
   last token only; nothing runs the model twice). A model without a final norm and LM head gets none.
 
-The handles live here, per model (weakly), not on the model.
+Every hook is a module-level function or an object holding what it needs (the model, its final norm and head), never
+a closure: a copy of the model (``copy.deepcopy``) gets hooks of its own, bound to the copy, and ``torch.save`` can
+pickle a switched model. The handles live on the model (`HOOKS_ATTR`).
 """
 
 from __future__ import annotations
 
-import weakref
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -35,19 +38,21 @@ from transformers.masking_utils import create_masks_for_generate
 
 from flexentropy._checks import check_tokens
 from flexentropy._compile import eager
-from flexentropy.caches.keywords import CACHE_KWARG, cache_argument
+from flexentropy.caches.keywords import CACHE_KWARG, DRIVER_KWARG, STEP_KWARG, cache_argument
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
-from flexentropy.integrations.compiled_layers import decoder_module
-from flexentropy.integrations.step_driver import forget_drivers, step_driver
+from flexentropy.engine.compiled_layer import decoder_module
+from flexentropy.engine.driver import begin_step, end_step, forget_drivers, step_driver
+from flexentropy.integrations.mask import real_tokens
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
-"""Model -> the handles of the hooks `install` registered on it."""
+HOOKS_ATTR = "flexentropy_hooks"
+"""Attribute of a switched model holding the handles of the hooks `install` registered on it: the record lives on the
+model, so that a copy (``copy.deepcopy``) carries handles of its own hooks and ``torch.save`` keeps them."""
 
 
 def installed(model: nn.Module) -> bool:
     """Whether `install` put its hooks on ``model`` (and `remove` has not taken them off)."""
-    return model in _INSTALLED
+    return HOOKS_ATTR in vars(model)
 
 
 def install(model: nn.Module, attention: list[nn.Module]) -> None:
@@ -56,19 +61,19 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
         return
     handles = [module.register_forward_pre_hook(hand_over_cache, with_kwargs=True) for module in attention]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    handles.append(decoder.register_forward_pre_hook(_prepare_static_step, with_kwargs=True))
+    handles.append(decoder.register_forward_pre_hook(begin_undriven_step, with_kwargs=True))
+    handles.append(decoder.register_forward_hook(end_undriven_step, with_kwargs=True))
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
-        model.get_compiled_call = _route_static_steps(model, model.get_compiled_call)
-    model.create_masks_for_generate = _no_mask_for_static_steps(
-        getattr(model, "create_masks_for_generate", create_masks_for_generate))
-    _INSTALLED[model] = handles
+        model.get_compiled_call = StaticStepRouting(model)
+    model.create_masks_for_generate = StaticStepMasks(model)
+    setattr(model, HOOKS_ATTR, handles)
 
 
 def remove(model: nn.Module) -> bool:
     """Take `install`'s hooks off ``model`` and give it back its own ``get_compiled_call``; whether there were
     any."""
-    handles = _INSTALLED.pop(model, None)
+    handles = vars(model).pop(HOOKS_ATTR, None)
     if handles is None:
         return False
     for handle in handles:
@@ -79,18 +84,12 @@ def remove(model: nn.Module) -> bool:
     return True
 
 
-def real_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
-    padding."""
-    return mask[:, 0].diagonal(dim1=-2, dim2=-1)
-
-
 def hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """An attention module's forward pre-hook: pass its cache (``cache`` or ``past_key_values``) on as
     `CACHE_KWARG`; before a prompt reaches a `PolicyCache`, hand it the prompt's padding (a decision may follow its
-    ``update``) and, for a sliding-window layer, its window. A call that carries `CACHE_KWARG` already (a static
-    step by layer arguments) is left as it is."""
-    if CACHE_KWARG in kwargs:   # a static step by layer arguments hands the cache over itself
+    ``update``) and, for a sliding-window layer, its window. A static step by layer arguments (`STEP_KWARG`) is
+    left as it is."""
+    if STEP_KWARG in kwargs:   # its attention reads the step's `StepLayer`, no cache
         return args, kwargs
     cache, mask = cache_argument(kwargs), kwargs.get("attention_mask")
     if isinstance(cache, PolicyCache) and cache.stored_length(module.layer_idx) == 0:  # a prompt
@@ -118,52 +117,87 @@ def _check_input(args: tuple, kwargs: dict[str, Any]) -> None:
         check_tokens("the model", "inputs_embeds", kwargs["inputs_embeds"], dims=3)
 
 
-def _prepare_static_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+def begin_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The decoder's forward pre-hook: `begin_step` for a `StaticLatentKVCache`'s forward that no driver runs; a
+    flexentropy cache handed to a forward with ``use_cache=False`` is refused, and so is an input of no token."""
     _check_input(args, kwargs)
     cache = cache_argument(kwargs)
-    if isinstance(cache, StaticLatentKVCache) and not cache.driven:
-        eager(cache.prepare, _query_length(args, kwargs))
+    if isinstance(cache, PolicyCache) and kwargs.get("use_cache") is False:
+        raise ValueError(f"a {type(cache).__name__} was passed with use_cache=False: the model then runs the whole "
+                         f"sequence again at every step (as generate(use_cache=False) does), which a cache that keeps "
+                         f"what it saw cannot serve. Pass use_cache=True (generate's default) with the cache, or no "
+                         f"cache with use_cache=False")
+    if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
+        eager(begin_step, cache, _query_length(args, kwargs))
 
 
-def _route_static_steps(model: nn.Module, compiled_call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``get_compiled_call`` for ``model`` whose calls run a `StaticLatentKVCache`'s one-token steps through the
-    model's `StepDriver` and its other forwards eagerly (module docstring); ``compiled_call``: the model's own."""
-    def get_compiled_call(compile_config: Any = None) -> Callable[..., Any]:
-        compiled = compiled_call(compile_config)
-        drivers: dict[torch.device, Any] = {}
+def end_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    """The decoder's forward hook: `end_step` after a `StaticLatentKVCache`'s forward that no driver runs."""
+    cache = cache_argument(kwargs)
+    if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
+        eager(end_step, cache, _query_length(args, kwargs))
+
+
+class StaticStepRouting:
+    """``model.get_compiled_call`` of a switched model: its calls run a `StaticLatentKVCache`'s one-token steps through
+    the model's `StepDriver` and its other forwards eagerly (module docstring); other caches get the class's own
+    compiled call. An object holding the model, not a closure, so that a copy of the model routes to itself and
+    pickling works."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, compile_config: Any = None) -> Callable[..., Any]:
+        model = self.model
+        compiled = type(model).get_compiled_call(model, compile_config)
+        driver = None   # the model's driver for ``compile_config`` (`step_driver`), found at the first step
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal driver
             cache = cache_argument(kwargs)
             if not isinstance(cache, StaticLatentKVCache):
                 return compiled(*args, **kwargs)
             tokens, positions = kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")
             if tokens is None or tokens.shape[1] != 1 or positions is None:
                 return model(*args, **kwargs)
-            driver = drivers.get(tokens.device)
             if driver is None:
-                driver = drivers[tokens.device] = step_driver(model, compile_config, tokens.device)
+                driver = step_driver(model, compile_config, tokens.device)
             return driver(tokens, positions, cache)
 
         return call
 
-    return get_compiled_call
 
+class StaticStepMasks:
+    """``model.create_masks_for_generate`` of a switched model: the 2D ``attention_mask`` of a
+    `StaticLatentKVCache`'s one-token steps unchanged (module docstring), the model's own masks for everything
+    else."""
 
-def _no_mask_for_static_steps(create: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``create_masks_for_generate`` that returns the 2D ``attention_mask`` of a `StaticLatentKVCache`'s one-token
-    steps unchanged (module docstring) and calls ``create`` for everything else."""
-    def create_masks(**kwargs: Any) -> Any:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, **kwargs: Any) -> Any:
         cache, embeds = kwargs.get("past_key_values"), kwargs.get("inputs_embeds")
         if isinstance(cache, StaticLatentKVCache) and embeds is not None and embeds.shape[1] == 1:
             return kwargs.get("attention_mask")
+        own = inspect.getattr_static(type(self.model), "create_masks_for_generate", None)
+        create = create_masks_for_generate if own is None else own.__get__(self.model, type(self.model))
         return create(**kwargs)
 
-    return create_masks
+
+class FinalLogits:
+    """Last-layer outputs ``[B, L, d]`` to logits ``[B, L, V]``: the final norm, the LM head and the final logit
+    soft-capping where the model has it."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module, softcap: float | None) -> None:
+        self.norm, self.head, self.softcap = norm, head, softcap
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(hidden))
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
-def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tensor], torch.Tensor]]:
-    """``(decoder layers, logits_fn)`` of an HF causal LM: ``logits_fn`` maps last-layer outputs ``[B, L, d]`` to
-    logits ``[B, L, V]`` (final norm, LM head, final logit soft-capping where the model has it)."""
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, FinalLogits]:
+    """``(decoder layers, logits_fn)`` of an HF causal LM (`FinalLogits`)."""
     decoder = decoder_module(model)
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
@@ -172,34 +206,33 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, Callable[[torch.Tens
         raise ValueError(f"cannot find the decoder layers, final norm and LM head of {type(model).__name__}; "
                          "signal policies need an HF causal LM (model.model.layers / .norm, lm_head)")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    softcap = getattr(config, "final_logit_softcapping", None)
+    return layers, FinalLogits(norm, head, getattr(config, "final_logit_softcapping", None))
 
-    def logits_fn(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(norm(hidden))
-        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
-    return layers, logits_fn
+class SignalHook:
+    """Decoder layer ``index``'s forward hook: hands its hidden states to a cache whose policy needs them, and after
+    the last layer (``logits``: `FinalLogits`, only there) finishes the forward's signals (module docstring)."""
+
+    def __init__(self, index: int, logits: FinalLogits | None) -> None:
+        self.index, self.logits = index, logits
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        cache = cache_argument(kwargs)
+        if not getattr(cache, "wants_signals", False):
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        cache.observe_hidden(self.index, hidden)
+        if self.logits is not None:
+            cache.finish_forward(hidden, self.logits)
 
 
 def _signal_hooks(model: nn.Module) -> list[RemovableHandle]:
     """The decoder layers' forward hooks handing signals to caches that want them (module docstring); none for a
     model without a final norm and LM head."""
     try:
-        layers, logits_fn = decoder_parts(model)
+        layers, logits = decoder_parts(model)
     except ValueError:
         return []
     last = len(layers) - 1
-
-    def make_hook(index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-            cache = cache_argument(kwargs)
-            if not getattr(cache, "wants_signals", False):
-                return
-            hidden = output[0] if isinstance(output, tuple) else output
-            cache.observe_hidden(index, hidden)
-            if index == last:
-                cache.finish_forward(hidden, logits_fn)
-
-        return hook
-
-    return [layer.register_forward_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    return [layer.register_forward_hook(SignalHook(i, logits if i == last else None), with_kwargs=True)
+            for i, layer in enumerate(layers)]

@@ -1,5 +1,6 @@
 """The ``"flexentropy"`` entry of transformers' ``AttentionMaskInterface``: HF's SDPA mask over *logical* key
-positions, so that it stays right after a cache evicts entries."""
+positions, so that it stays right after a cache evicts entries; and `real_tokens`, a prompt's padding read off its
+mask."""
 
 from __future__ import annotations
 
@@ -26,3 +27,9 @@ def logical_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         return None  # plain causal attention; also under torch.compile, where HF's sdpa_mask never skips
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=length, q_offset=q_offset, kv_offset=0,
                      **kwargs)
+
+
+def real_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` bool of a prompt's causal + padding mask ``[B, 1, N, N]``: token i attends to itself iff it is not
+    padding."""
+    return mask[:, 0].diagonal(dim1=-2, dim2=-1)

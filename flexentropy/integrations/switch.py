@@ -1,8 +1,8 @@
 """Switching a transformers model to flexentropy and back: `enable`, `disable`, `enabled`.
 
 `enable` registers ``"flexentropy"`` in transformers' attention and mask interfaces (`register`: the functions of
-`flexentropy.integrations.attention` and `flexentropy.integrations.mask`), gives the model its own config with the
-settings recorded on it (`flexentropy.integrations.settings`) and installs the hooks of
+`flexentropy.integrations.attention` and `flexentropy.integrations.mask`), gives the model its own config, puts its
+`Settings` on it (`flexentropy.settings`, shared with every attention module's `LayerState`) and installs the hooks of
 `flexentropy.integrations.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. Only
 `SUPPORTED_MODEL_TYPES`.
 """
@@ -21,17 +21,11 @@ from transformers.modeling_utils import AttentionInterface
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.integrations import hooks
 from flexentropy.integrations.attention import attention_forward
+from flexentropy.integrations.layer_state import STATE_ATTR, LayerState, attention_modules
 from flexentropy.integrations.mask import logical_mask
-from flexentropy.integrations.settings import (
-    CONFIG_ATTR,
-    STATE_ATTR,
-    LayerState,
-    attention_modules,
-    check_prefill,
-    settings_dict,
-)
 from flexentropy.integrations.tensor_parallel import local_heads
-from flexentropy.policies import PrefillPolicy
+from flexentropy.policies import PrefillPolicy, make_prefill
+from flexentropy.settings import CONFIG_ATTR, SETTINGS_ATTR, Settings, check_prefill, settings_dict
 from flexentropy.sparse.kernel import COMPILED_DTYPES
 
 ATTN_IMPLEMENTATION = "flexentropy"
@@ -68,9 +62,10 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Gives the model its own copy of its transformers config (another model built from the same config object keeps
-    its attention and settings), sets ``attn_implementation="flexentropy"`` there, stores ``config`` and ``prefill``
-    on ``model.config.flexentropy`` (a record for ``save_pretrained``: the layers read their settings from `enable`,
-    so editing that dict later changes nothing) and on every attention module, and installs the hooks of
+    its attention and settings), sets ``attn_implementation="flexentropy"`` there, puts one `Settings` (``config``,
+    ``prefill`` and its knobs) on the model and every attention module, records them on ``model.config.flexentropy``
+    (for ``save_pretrained``: nothing reads that dict back while the model is enabled, so editing it changes
+    nothing), and installs the hooks of
     `flexentropy.integrations.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
     to the attention function). Calling it again replaces the settings; `disable` undoes it.
 
@@ -113,21 +108,24 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     register()
     own_config(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    settings = Settings(config, prefill, knobs)
+    setattr(model, SETTINGS_ATTR, settings)
     setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
     for module in modules:
-        setattr(module, STATE_ATTR, LayerState(config, prefill, knobs, keep_plans=keep_plans))
+        setattr(module, STATE_ATTR, LayerState(settings, keep_plans=keep_plans))
     hooks.install(model, modules)
     return model
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
     """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hooks`), its
-    attention back to SDPA, its layers' settings and ``model.config.flexentropy`` dropped. A model that was not
-    enabled is returned unchanged."""
+    attention back to SDPA, its `Settings`, its layers' states and ``model.config.flexentropy`` dropped. A model that
+    was not enabled is returned unchanged."""
     if not hooks.remove(model):
         return model
     for module in attention_modules(model):
         vars(module).pop(STATE_ATTR, None)
+    vars(model).pop(SETTINGS_ATTR, None)
     if hasattr(model.config, CONFIG_ATTR):
         delattr(model.config, CONFIG_ATTR)
     model.set_attn_implementation("sdpa")
@@ -137,12 +135,19 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
 @contextlib.contextmanager
 def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
             keep_plans: bool = True) -> Iterator[PreTrainedModel]:
-    """``with fe.enabled(model, cfg): ...``: `enable` on entry, `disable` on exit (arguments as `enable`)."""
+    """``with fe.enabled(model, cfg): ...``: `enable` on entry (arguments as `enable`); on exit the model as it was:
+    `disable` for a model that was not enabled, else `enable` again with the settings it had."""
+    previous = vars(model).get(SETTINGS_ATTR) if hooks.installed(model) else None
+    modules = attention_modules(model)
+    kept = getattr(modules[0], STATE_ATTR).keep_plans if previous is not None and modules else True
     enable(model, config, prefill=prefill, keep_plans=keep_plans)
     try:
         yield model
     finally:
-        disable(model)
+        if previous is None:
+            disable(model)
+        else:
+            enable(model, prefill=make_prefill(previous.prefill, previous.config, **previous.knobs), keep_plans=kept)
 
 
 def own_config(model: PreTrainedModel) -> None:

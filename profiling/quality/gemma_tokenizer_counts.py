@@ -1,5 +1,5 @@
 """Token counts of the Gemma-3-270m GGUF tokenizer: transformers alone against
-`flexentropy.integrations.gguf.load_tokenizer` (quoted in docs/quality.md). Writes tokenizer_counts.json.
+`flexentropy.cli.gguf.load_tokenizer` (quoted in docs/quality.md). Writes tokenizer_counts.json.
 
 Run from the repository root, with the GGUF joined at /tmp/gemma3 (or pass its folder):
 ``python profiling/quality/gemma_tokenizer_counts.py [FOLDER]``.
@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/) is not installed: the checkout
 from bench.data import load_essays  # noqa: E402
-from flexentropy.integrations.gguf import load_tokenizer  # noqa: E402
+from flexentropy.cli.gguf import load_tokenizer  # noqa: E402
 
 GGUF = "gemma-3-270m-q4_k_m.gguf"
 

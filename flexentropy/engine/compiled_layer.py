@@ -6,10 +6,10 @@ decoder layer of the model, once per stage, and again in every new process (indu
 kernels, not the tracing). Here the step's forward runs eagerly and each decoder layer calls the region, one
 ``torch.compile``\\ d function for every layer. Dynamo then traces one layer per stage, and nothing it guards on
 differs between layers: a layer's index is read nowhere. What differs, the layer's buffers, enters as arguments.
-Each layer gets its `StepLayer` under `STEP_KWARG` and the cache under `CACHE_KWARG`, but no transformers cache
-argument, so transformers' attention calls no ``update``; flexentropy's attention function runs
-`StaticLatentKVCache.step_attention` on the layer's buffers, and the step driver advances the counters after the
-last layer. On CUDA the driver records the whole step, its eager parts included, in one CUDA graph.
+Each layer gets its `StepLayer` (its buffers and the step's counters) under `STEP_KWARG`, and no cache argument, so
+transformers' attention calls no ``update``; flexentropy's attention function runs
+`flexentropy.caches.static_buffers.step_attention` on it, and the step driver advances the counters after the last
+layer. On CUDA the driver records the whole step, its eager parts included, in one CUDA graph.
 
 A layer runs its class's ``forward``: a hook another library set on the layers' instance ``forward`` (accelerate's
 device placement) is not run in these steps.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexentropy.caches.keywords import CACHE_KEYWORDS, CACHE_KWARG, STEP_KWARG
+from flexentropy.caches.keywords import CACHE_KEYWORDS, CACHE_KWARG, DRIVER_KWARG, STEP_KWARG
 
 
 def decoder_module(model: nn.Module) -> nn.Module | None:
@@ -69,7 +69,6 @@ def compiled_layers(model: nn.Module, region: Callable[..., Any], cache: Any) ->
 
 
 def _layer_step(layer: nn.Module, region: Callable[..., Any], cache: Any, /, *args: Any, **kwargs: Any) -> Any:
-    for name in CACHE_KEYWORDS:
+    for name in (*CACHE_KEYWORDS, CACHE_KWARG, DRIVER_KWARG):
         kwargs.pop(name, None)
-    step = cache.step_layer(layer.self_attn.layer_idx)
-    return region(layer, *args, **kwargs, **{CACHE_KWARG: cache, STEP_KWARG: step})
+    return region(layer, *args, **kwargs, **{STEP_KWARG: cache.static.step_layer(layer.self_attn.layer_idx)})

@@ -1,0 +1,321 @@
+"""`StaticPhase`: the static half of a `StaticLatentKVCache`, everything from its first decision on (design.md §2).
+
+It owns the preallocated buffers (`StaticBuffers`: ``main`` of ``decode_budget + recompress_every`` entries per KV
+head, and with ``max_prompt_length`` the ``prompt`` buffers of a captured phase 1), one query window per layer, and
+the step's counters (`StepCounters`: the host's and the device's). A step's host work is `prepare` (entering the
+static phase, leaving it for a later turn, the decisions due); the step itself runs each layer's `StepLayer`
+(`step_layer`, `flexentropy.caches.static_buffers.step_attention`); then `advance` (device) and `count` (host). The
+decode engine's step driver (`flexentropy.engine.driver`) is what calls `prepare`, `advance` and `count`.
+
+Decisions: on the steps where the latent policy decides (the first eviction, each recompression), `prepare` runs the
+decision for every layer at once on a `StackedView` of the buffers (score -> keep -> gather, as `LatentKVCache`
+decides each layer), in chunks of layers where the scores of a long prompt would not fit in memory together; they
+are taken before the step's queries are handed over (transformers' order: ``update`` before the queries).
+
+Rows: the phase serves one request (or a left-padded batch) at a time, or, `open` for batch rows, one request per row,
+each entered on its own (`insert`), counting and deciding on its own, and freed for the next (`free`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flexentropy._checks import check_int
+from flexentropy.caches.policy_layer import PolicyLayer
+from flexentropy.caches.progress import Progress
+from flexentropy.caches.static_buffers import StackedView, StaticBuffers, StepLayer, static_buffer
+from flexentropy.caches.step_counters import Rows, StepCounters
+from flexentropy.config import EntropyConfig
+from flexentropy.kv.decode_attention import flash_decode_usable
+from flexentropy.kv.keep import gather_kv
+
+SCORE_ELEMENTS = 1 << 27
+"""Most window scores (float32) one decision holds at once: the layers of a long prompt are decided in chunks."""
+
+
+class StaticPhase:
+    """The static phase of a `StaticLatentKVCache` (module docstring).
+
+    Args:
+        config: the cache's `EntropyConfig` (``decode_*``, ``recompress_every``).
+        policy: its latent policy (the decisions).
+        layers: its dynamic layers (`PolicyLayer`, the prompt and phase 1), which the phase takes the entries of when
+            it starts and hands them back to for a later turn.
+        owner: the cache's class name (messages).
+        max_prompt_length: the longest prompt whose phase 1 runs in the prompt buffers (None: none does).
+
+    Attributes:
+        main, prompt: the buffers of the static phase proper and of a captured phase 1 (or None).
+        stage: the buffers the steps use now (``main`` or ``prompt``); None on the dynamic path.
+        window: per layer, the query window ``[B, Hq, W, D]``.
+        counters: the host's and the device's counters (`StepCounters`).
+        padding: left-padding tokens of each row ``[B]``, or None.
+        flash: whether the steps attend with flash-attn-4's kernel.
+    """
+
+    def __init__(self, config: EntropyConfig, policy: Any, layers: list[PolicyLayer], owner: str,
+                 max_prompt_length: int | None) -> None:
+        self.config, self.policy, self.layers, self.owner = config, policy, layers, owner
+        delay = config.decode_delay
+        self.main = StaticBuffers(config.decode_budget + config.recompress_every)
+        self.prompt = StaticBuffers(max_prompt_length + delay) if max_prompt_length is not None and delay else None
+        self.window: list[torch.Tensor] = []
+        self.counters = StepCounters()
+        self.flash = False
+        self.clear()
+
+    def clear(self) -> None:
+        """Back to the dynamic path, nothing counted; the buffers, windows and device counters stay (their addresses
+        with them)."""
+        self.stage: StaticBuffers | None = None
+        self.padding: torch.Tensor | None = None
+        self.counters.clear()
+
+    @property
+    def capacity(self) -> int:
+        return self.main.capacity
+
+    # -- the host's part of a step ---------------------------------------------------------------------------------
+    def prepare(self, q_len: int) -> None:
+        """The host's work before a forward of ``q_len`` tokens: nothing for a prompt or a step on the dynamic path;
+        entering the prompt buffers or the buffers when due; leaving them for a later turn; the latent policy's
+        decision for every layer when due. It counts nothing (`count`, after the step), so a second call before the
+        step has run finds nothing left to do."""
+        first = self.layers[0]
+        if self.stage is None:
+            if first.prompt_length is None:
+                return   # the prompt (or nothing yet)
+            self._check_layers()
+            if q_len != 1:   # a later turn before the static phase: the dynamic path appends it
+                self._decide_turn(q_len)
+            elif first.generated >= self.config.decode_delay:
+                self._decide_from_layers(self.policy.before_append(first, 1))
+            elif self._prompt_fits(first):
+                self._enter_prompt()
+            return   # else a phase-1 step on the dynamic path
+        if q_len != 1:
+            groups = self.counters.groups
+            if len(groups) != 1 or groups[0][0].prompt_length is None:
+                raise ValueError(f"{self.owner} serves its rows one by one (open, insert, free), and a forward of "
+                                 f"{q_len} tokens is a step of none of them: call cache.reset() before another "
+                                 f"request on this cache")
+            self._leave(q_len)
+            return
+        for progress, rows in self.counters.groups:
+            if progress.prompt_length is None:   # idle rows (`free`): their slot starts over before the end
+                if progress.stored + 1 >= self.capacity:
+                    progress.start_over()
+                    self.counters.mirror(progress, rows)
+                continue
+            target = self.policy.before_append(progress, 1)
+            leaving_prompt = self.stage is self.prompt and progress.generated >= self.config.decode_delay
+            if leaving_prompt or target is not None:
+                self._evict(target, progress, rows)
+
+    def advance(self) -> None:
+        """The device's end of a static step: its counters one token on (inside the step's graph)."""
+        self.counters.advance()
+
+    def count(self, tokens: int) -> None:
+        """The host's end of a step of ``tokens`` tokens: counted when it was a static step (on the dynamic path the
+        layers count their own)."""
+        if self.stage is not None:
+            self.counters.count(tokens)
+
+    def _check_layers(self) -> None:
+        missing = [layer.layer_idx for layer in self.layers if layer.prompt_length is None]
+        if missing:
+            raise RuntimeError(f"{self.owner} was built for {len(self.layers)} layers, but layers {missing} saw no "
+                               f"prompt: pass model= (or num_layers= the model's count of attention layers)")
+        sliding = [layer.layer_idx for layer in self.layers if layer.is_sliding]
+        if sliding:
+            raise ValueError(f"{self.owner} stores global-attention layers only; layers {sliding} attend a sliding "
+                             f"window: use LatentKVCache")
+
+    def _prompt_fits(self, first: PolicyLayer) -> bool:
+        delay = self.config.decode_delay
+        return (self.prompt is not None and first.evictions == 0 and first.ragged is None
+                and first.stored + delay - first.generated <= self.prompt.capacity)
+
+    # -- entering and leaving ------------------------------------------------------------------------------------------
+    def _take_layers(self) -> None:
+        """Adopt the layers' counters, padding and query windows (the layers' own state is dropped after)."""
+        first = self.layers[0]
+        if first.window is None:
+            raise RuntimeError(f"{self.owner} holds entries but no queries were handed over: the attention must call "
+                               f"cache.observe_queries(query_states, layer_idx) on every forward")
+        self._allocate_rows(first.window.shape[0], first.window)
+        size, held = self.config.decode_window, first.window.shape[2]
+        torch._foreach_copy_([window[:, :, size - held:] for window in self.window],
+                             [layer.window for layer in self.layers])
+        self.counters.share(Progress.of(first))
+        self.padding = first.padding
+
+    def _allocate_rows(self, rows: int, window: torch.Tensor) -> None:
+        """The query windows (shaped like ``window [B, Hq, *, D]``) and the device counters for ``rows`` batch rows;
+        the existing ones are kept when they fit (their addresses with them)."""
+        shape = (rows, window.shape[1], self.config.decode_window, window.shape[-1])
+        kept = self.window[0] if self.window else None
+        if kept is None or kept.shape != shape or kept.dtype != window.dtype or kept.device != window.device:
+            self.window = [static_buffer(shape, window.dtype, window.device) for _ in self.layers]
+        self.counters.allocate(rows, window.device)
+
+    def _enter(self, stage: StaticBuffers) -> None:
+        """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
+        self.stage = stage
+        self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys[0], padded=self.padding is not None)
+        self.counters.mirror(self.counters.progress, slice(None))
+        for layer in self.layers:
+            layer.reset()
+
+    def _real(self, positions: torch.Tensor, layers: int, rows: Rows = slice(None)) -> torch.Tensor | None:
+        """Which of the entries at ``positions [layers * b, Hkv, S]`` (batch rows ``rows`` of ``layers`` layers) are
+        real tokens (None: no padding)."""
+        if self.padding is None:
+            return None
+        return positions - self.padding[rows].repeat(layers)[:, None, None] >= 0
+
+    def _enter_prompt(self) -> None:
+        """The first step of a captured phase 1: the layers' entries into the prompt buffers."""
+        first = self.layers[0]
+        self.prompt.allocate(len(self.layers), first.keys, first.values)
+        self._take_layers()
+        for index, layer in enumerate(self.layers):
+            positions = layer.positions()
+            self.prompt.store(range(index, index + 1), layer.keys, layer.values, positions, self._real(positions, 1))
+        self._enter(self.prompt)
+
+    def _decide_from_layers(self, target: int | None) -> None:
+        """The first decision point on the dynamic path: each layer's kept entries (all of them when ``target`` is
+        None) into the buffers, one layer at a time (its prompt-sized entries are freed as it goes)."""
+        first = self.layers[0]
+        self.main.allocate(len(self.layers), first.keys, first.values)
+        self._take_layers()
+        for index, layer in enumerate(self.layers):
+            keys, values, positions = layer.keys, layer.values, layer.positions()
+            if target is not None:
+                keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
+            self.main.store(range(index, index + 1), keys, values, positions, self._real(positions, 1))
+            layer.reset()
+        self.counters.progress.keep(target)
+        self._enter(self.main)
+
+    def _evict(self, target: int | None, progress: Progress, rows: Rows) -> None:
+        """A decision in a static stage for batch rows ``rows`` (counted by ``progress``): every layer keeps
+        ``target`` entries per KV head (all of them when None, at the end of a captured phase 1 whose entries fit
+        the buffers), from the stage into the buffers."""
+        source = self.stage
+        if source is self.prompt:
+            self.main.allocate(len(self.layers), source.keys[0], source.values[0])
+        layers = len(self.layers)
+        held = min(self.config.decode_window, progress.observed)
+        heads, size = self.window[0].shape[1:3]
+        batch = len(self.counters.row_index[rows])
+        chunk = max(1, min(layers, SCORE_ELEMENTS // (batch * heads * held * max(progress.stored, 1))))
+        padding = None if self.padding is None else self.padding[rows]
+        for start in range(0, layers, chunk):
+            part = range(start, min(start + chunk, layers))
+            window = torch.cat([self.window[index][rows, :, size - held:] for index in part])
+            view = StackedView(source, part, progress, window, padding, self.owner, rows)
+            keys, values, positions = view.keys, view.values, view.positions()
+            if target is not None:
+                keys, values, positions = gather_kv(keys, values, self.policy.select(view, target, 1), positions)
+            self.main.store(part, keys, values, positions, self._real(positions, len(part), rows), rows)
+        progress.keep(target)
+        if source is self.main:
+            self.counters.mirror(progress, rows)
+        else:
+            self._enter(self.main)
+
+    def _leave(self, q_len: int) -> None:
+        """A later turn (``q_len`` tokens after decoding began): the entries and windows back to the layers, for the
+        dynamic path; a decision due now is taken before the turn's queries are handed over, as for every step."""
+        stage, progress = self.stage, self.counters.progress
+        held, size = min(self.config.decode_window, progress.observed), self.config.decode_window
+        for index, layer in enumerate(self.layers):
+            layer.adopt(stage.keys[index][:, :, :progress.stored].clone(),
+                        stage.values[index][:, :, :progress.stored].clone(),
+                        stage.positions[index][:, :, :progress.stored].clone(),
+                        self.window[index][:, :, size - held:].clone(), self.padding, progress)
+        self.stage = None
+        self._decide_turn(q_len)
+
+    def _decide_turn(self, q_len: int) -> None:
+        """A decision due at a later turn of ``q_len`` tokens on the dynamic path, taken before the turn's queries
+        are handed over (each layer's `PolicyLayer.update` would take it after them)."""
+        for layer in self.layers:
+            target = self.policy.before_append(layer, q_len)
+            if target is not None:
+                layer.decide(target, q_len)
+
+    # -- rows served one by one ----------------------------------------------------------------------------------------
+    def open(self, rows: int, source: Any) -> None:
+        """Serve ``rows`` requests at once, each entered on its own (`insert`): buffers for ``rows`` batch rows shaped
+        like ``source``'s (a one-row latent cache after its prompt), every row idle."""
+        check_int(self.owner, "rows", rows, 1)
+        first = source.layers[0]
+        if first.window is None or first.keys.shape[0] != 1:
+            raise ValueError(f"open needs a one-row cache that holds a prompt and its queries, got "
+                             f"{'no queries' if first.window is None else f'{first.keys.shape[0]} rows'}")
+        self.main.allocate(len(self.layers), first.keys.expand(rows, -1, -1, -1),
+                           first.values.expand(rows, -1, -1, -1))
+        self._allocate_rows(rows, first.window)
+        self.counters.share(Progress())
+        self.stage = self.main
+        self.flash = flash_decode_usable(self.config.decode_kernel, self.main.keys[0], padded=False)
+
+    def insert(self, row: int, source: Any) -> None:
+        """Put the request that ``source`` holds (a one-row latent cache after its prompt, evicted to the budget) in
+        batch row ``row``; the row's next step is that request's."""
+        self._check_row(row)
+        first = source.layers[0]
+        if first.stored >= self.capacity:
+            raise ValueError(f"insert: the request holds {first.stored} entries per KV head, more than the buffers' "
+                             f"{self.capacity - 1}: evict it first (decode_delay=0 evicts at the end of the prompt)")
+        index = self.counters.row_index[row:row + 1]
+        held, size = first.window.shape[2], self.config.decode_window
+        for layer_idx, layer in enumerate(source.layers):
+            self.main.store(range(layer_idx, layer_idx + 1), layer.keys, layer.values, layer.positions(), None, index)
+            self.window[layer_idx][row:row + 1, :, size - held:].copy_(layer.window)
+        self.counters.put(row, Progress.of(first))
+
+    def free(self, row: int) -> None:
+        """Batch row ``row`` is idle from its next step (its entries are left to be overwritten)."""
+        self._check_row(row)
+        self.counters.put(row, self.counters.idle())
+
+    def _check_row(self, row: int) -> None:
+        if self.stage is not self.main or not self.counters.rows:
+            raise RuntimeError(f"{self.owner}: open(rows, source) before insert or free")
+        if not 0 <= row < len(self.counters.rows):
+            raise ValueError(f"row must be in [0, {len(self.counters.rows)}), got {row}")
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+    def step_layer(self, layer_idx: int) -> StepLayer:
+        """Layer ``layer_idx``'s buffers in the current stage, its query window and the step's counters."""
+        return self.stage.layer(layer_idx, self.window[layer_idx], self.counters.device, self.flash)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of what a step changes in place besides its own slot (the device counters and the query windows):
+        recording a step runs it, and `restore` undoes that."""
+        return [tensor.clone() for tensor in (*self.window, *self.counters.device.values())]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        """Put back a `snapshot`."""
+        torch._foreach_copy_([*self.window, *self.counters.device.values()], saved)
+
+    # -- readers -----------------------------------------------------------------------------------------------------
+    def entries(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[B, Hkv, S, D]`` layer ``layer_idx`` holds now (views of the stage's buffers)."""
+        stored = self.counters.progress.stored
+        return self.stage.keys[layer_idx][:, :, :stored], self.stage.values[layer_idx][:, :, :stored]
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        return self.stage.positions[layer_idx][:, :, :self.counters.stored()]
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer (their whole capacity), prompt buffers and query windows included."""
+        stages = self.main.nbytes() + (self.prompt.nbytes() if self.prompt is not None else 0)
+        return stages + sum(window.numel() * window.element_size() for window in self.window)

@@ -1,0 +1,120 @@
+"""`warm_up`: what a server will run, compiled (and on CUDA recorded) before its first request, through the same
+step driver as the requests (`flexentropy.engine.driver`); `load_artifacts`, inductor's compiled artifacts from a
+file. transformers is imported inside the functions."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexentropy._checks import check_int
+from flexentropy.engine.loops import greedy_generate, served_config
+
+
+def load_artifacts(path: Path) -> None:
+    """Load the compiled artifacts at ``path`` into torch's caches when the file exists (`warm_up`); raise before
+    any work where ``path`` cannot be written after it, warn where the file is not torch's."""
+    if path.is_dir():
+        raise ValueError(f"warm_up(artifacts=...) names a file to read and write, got the folder {path}")
+    if not path.parent.is_dir():
+        raise ValueError(f"warm_up(artifacts=...): the folder {path.parent} does not exist (the file is written "
+                         f"there after the warm-up)")
+    if not path.is_file():
+        return
+    try:
+        loaded = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as err:  # noqa: BLE001 - torch raises several kinds for a file that is not its own
+        loaded, reason = None, f" ({type(err).__name__}: {err})"
+    else:
+        reason = ""
+    if loaded is None:
+        warnings.warn(f"warm_up: could not load the compiled artifacts in {path}{reason}; compiling, and writing "
+                      f"the file anew", stacklevel=3)
+
+
+def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
+            new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
+            cache: Any = None, artifacts: str | os.PathLike[str] | None = None) -> dict[int, float]:
+    """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
+    ``lengths`` tokens and the static decode steps of a `StaticLatentKVCache` (the static phase's, and with a
+    ``max_prompt_length`` the captured phase 1's), compiled and, on CUDA, recorded on the serving cache's buffers,
+    through ``model.generate`` or, with ``loop=True``, through `greedy_generate` (both run the model's `StepDriver`
+    for the same ``compile_config``: either warms both).
+
+    Run it once after ``fe.enable(model, config)`` with lengths covering the served range (two distinct lengths
+    above ``config.dense_prefix`` make the prefill graphs length-generic; the decode graphs do not depend on the
+    length); later prompts of any length in that range and any number of decode steps compile nothing new. Pass the
+    ``cache`` that will serve (reset after each warm-up prompt, and left empty): its buffers are then the ones the
+    decode step was recorded with (CUDA graphs), so serving with it and ``cache.reset()`` between requests records
+    nothing new.
+
+    Args:
+        model: an HF causal LM switched by `flexentropy.enable`.
+        lengths: prompt lengths to run (default: two lengths just above ``dense_prefix``, one not a multiple of the
+            block size).
+        config: the `EntropyConfig` of the served caches (default: the model's, as `enable` stored it).
+        batch_size: rows of the served batches (the decode graphs are per batch size).
+        new_tokens: tokens generated per warm-up prompt (default: enough to reach the static phase and one
+            recompression, ``decode_delay + recompress_every + 2``).
+        compile_config: transformers' ``CompileConfig`` for ``generate`` (default: the model's; off CUDA, transformers
+            compiles only with one whose ``_compile_all_devices`` is set).
+        loop: run `greedy_generate` instead of ``generate``.
+        cache: the `StaticLatentKVCache` that will serve (default: a new one for all lengths, dropped after the
+            warm-up).
+        artifacts: a file of compiled artifacts (``torch.compiler.save_cache_artifacts``): loaded before the warm-up
+            if it exists, written after it, so that a new process, on this machine or another with the same torch and
+            device, takes inductor's compiled kernels from it instead of compiling them again (dynamo still traces in
+            every process; docs/performance.md). None: only torch's own caches (``TORCHINDUCTOR_CACHE_DIR``). A file
+            torch cannot read is reported (a warning) and written anew; a folder, or a path in a missing folder, is
+            an error raised before any work.
+
+    Returns:
+        seconds each length took, ``{length: seconds}``.
+    """
+    from flexentropy.caches.keywords import cache_keyword
+    from flexentropy.caches.static_latent import StaticLatentKVCache
+
+    if cache is not None and not isinstance(cache, StaticLatentKVCache):
+        raise TypeError(f"warm_up warms a StaticLatentKVCache, got {type(cache).__name__}")
+    if config is None:
+        config = served_config(model, cache)
+    if lengths is None:
+        start = config.dense_prefix + config.segment_size
+        lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)
+    check_int("warm_up", "batch_size", batch_size, 1)
+    for length in lengths:
+        check_int("warm_up", "length", length, 1)
+    if new_tokens is None:
+        new_tokens = config.decode_delay + (config.recompress_every or 0) + 2
+    check_int("warm_up", "new_tokens", new_tokens, 1)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    extra = {} if compile_config is None else {"compile_config": compile_config}
+    if artifacts is not None:
+        load_artifacts(Path(artifacts))
+    serving = StaticLatentKVCache(config, model=model) if cache is None else cache
+    seconds = {}
+    for length in lengths:
+        ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
+        serving.reset()
+        start_time = time.perf_counter()
+        if loop:
+            greedy_generate(model, ids.to(model.device), serving, new_tokens, compile_config=compile_config)
+        else:  # no inference_mode: its tensors would not pass the guards of the compiled graphs for generate's calls
+            model.generate(ids.to(model.device), attention_mask=torch.ones_like(ids, device=model.device),
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, **{cache_keyword(model): serving}, **extra)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        seconds[length] = time.perf_counter() - start_time
+    serving.reset()
+    saved = torch.compiler.save_cache_artifacts() if artifacts is not None else None
+    if saved is not None:
+        Path(artifacts).write_bytes(saved[0])
+    return seconds

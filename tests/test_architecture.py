@@ -4,6 +4,8 @@
 - the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
 - transformers is imported only at the library's edge, and patched (hooks, replaced attributes) only by
   `flexentropy/integrations/`;
+- vLLM is imported only by the vLLM plugin (`flexentropy/integrations/vllm/`), which imports neither transformers
+  nor the transformers integration, and which nothing else imports;
 - no module writes another object's private attributes;
 - the lab's needle demo and its evaluation never import each other.
 """
@@ -23,6 +25,9 @@ OUTSIDE = ("bench", "reference", "tests", "profiling")
 TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.integrations", "flexentropy.decoding", "flexentropy.cli")
 """Library modules (and packages) that may import transformers: cache storage, integrations, decoding loops, the
 command line."""
+
+VLLM_PLUGIN = "flexentropy.integrations.vllm"
+"""The only library package that may import vLLM (and the only one vLLM loads)."""
 
 PATCHERS = ("flexentropy.integrations",)
 """The only library modules that may install hooks on a model or set attributes of objects they were handed."""
@@ -143,6 +148,24 @@ def test_transformers_only_at_the_edge() -> None:
                        if any(is_within(m, "transformers") for m in imports(path))
                        and not any(is_within(name, allowed) for allowed in TRANSFORMERS_ALLOWED))
     assert not offenders, f"transformers imported outside {TRANSFORMERS_ALLOWED}: {offenders}"
+
+
+def test_vllm_only_in_its_plugin() -> None:
+    """vLLM is imported only inside the plugin; the plugin imports no transformers and none of the library's
+    transformers side (the other integrations, the caches, the decoding loops, the command); nothing imports it."""
+    transformers_side = [m for m in TRANSFORMERS_ALLOWED if m != "flexentropy.integrations"]
+    offenders = []
+    for name, path in sources(LIBRARY).items():
+        inside = is_within(name, VLLM_PLUGIN)
+        for m in imports(path):
+            if is_within(m, "vllm") and not inside:
+                offenders.append(f"{name} imports {m}")
+            if inside and (is_within(m, "transformers") or any(is_within(m, t) for t in transformers_side)
+                           or (is_within(m, "flexentropy.integrations") and not is_within(m, VLLM_PLUGIN))):
+                offenders.append(f"{name} (the vLLM plugin) imports {m}")
+            if not inside and is_within(m, VLLM_PLUGIN):
+                offenders.append(f"{name} imports the vLLM plugin ({m})")
+    assert not offenders, offenders
 
 
 def test_only_integrations_patch_models() -> None:

@@ -9,8 +9,12 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
-    """Check ``q [B, Hq, N, D]``, ``k``/``v [B, Hkv, N, D]`` agree in shape, dtype and device; Hq % Hkv == 0."""
+def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, q_start: int = 0) -> None:
+    """Check ``q [B, Hq, M, D]``, ``k``/``v [B, Hkv, q_start + M, D]`` agree in shape, dtype and device; Hq % Hkv
+    == 0. ``q_start`` (an int >= 0) is the position of the first query: the keys are those of the positions
+    ``0 .. q_start + M - 1`` (a whole prompt: ``q_start=0``, equal lengths)."""
+    if not is_int(q_start) or q_start < 0:
+        raise ValueError(f"q_start must be an int >= 0 (the position of the chunk's first query), got {q_start!r}")
     named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -24,10 +28,16 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) ->
             raise TypeError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one device")
-        for axis, what in ((0, "batch size"), (2, "sequence length"), (3, "head dim")):
+        for axis, what in ((0, "batch size"), (3, "head dim")):
             if t.shape[axis] != q.shape[axis]:
                 raise ValueError(f"{name} {what} (dim {axis}) is {t.shape[axis]} but q's is {q.shape[axis]}; "
                                  f"q {tuple(q.shape)}, {name} {tuple(t.shape)}")
+        if t.shape[2] != q_start + q.shape[2]:
+            expected = (f"q's is {q.shape[2]}" if q_start == 0 else
+                        f"q_start + q's is {q_start} + {q.shape[2]} = {q_start + q.shape[2]}: {name} holds the "
+                        "positions 0 .. q_start + M - 1, every key up to the chunk's last query")
+            raise ValueError(f"{name} sequence length (dim 2) is {t.shape[2]} but {expected}; "
+                             f"q {tuple(q.shape)}, {name} {tuple(t.shape)}")
     if v is not None and v.shape[1] != k.shape[1]:
         raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
     if q.shape[0] == 0:

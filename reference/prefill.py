@@ -9,6 +9,10 @@ and
 query head ``h`` uses KV head ``h // G``. ``L_S`` segment size, ``L_B`` key-block size, ``C_S = ceil(N / L_S)``
 segments, ``C_B = ceil(N / L_B)`` key blocks, ``C_Q = ceil(N / 128)`` query blocks; the last of each may be partial.
 Positions are 0-based and causal: query ``i`` sees key ``j`` iff ``j <= i``.
+
+A chunk of a prompt (chunked prefill, design.md §1.7): ``q`` is ``[B, Hq, M, D]``, the queries of the positions
+``q_start .. q_start + M - 1``, against ``k``/``v`` ``[B, Hkv, q_start + M, D]``; segments, key blocks and query blocks
+stay on the grid from position 0, and the plan covers the segments and query blocks that hold the chunk's queries.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Validate ``q`` ``[B, Hq, N, D]`` against ``k`` ``[B, Hkv, N, D]``; return the GQA group size ``G``."""
+def _check_qk(q: torch.Tensor, k: torch.Tensor, q_start: int = 0) -> int:
+    """Validate ``q`` ``[B, Hq, M, D]`` against ``k`` ``[B, Hkv, q_start + M, D]``; return the GQA group size ``G``."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-D [B, H, N, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, N and D")
+    if not isinstance(q_start, int) or q_start < 0:
+        raise ValueError(f"q_start must be an int >= 0, got {q_start!r}")
+    if q.shape[0] != k.shape[0] or q_start + q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} at q_start={q_start} and k {tuple(k.shape)} must agree on B, "
+                         "q_start + M = N and D")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
     return q.shape[1] // k.shape[1]
@@ -254,9 +261,9 @@ def allocate_budgets(entropy: torch.Tensor, config: EntropyConfig) -> torch.Tens
     return budgets
 
 
-def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor:
+def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig, q_start: int = 0) -> torch.Tensor:
     """Per-head, per-segment budgets in tokens ``[B, Hq, C_S]`` float64 under ``budget_rule="coverage"``
-    (design.md §1.4b).
+    (design.md §1.4b). The rows of ``a_obs`` are the segments from ``q_start // L_S`` (a chunk's, design.md §1.7).
 
     For segment ``s`` of head ``h``: the candidates (:func:`candidate_blocks`) split into forced ones (the first
     ``sink_blocks`` and the ``local_blocks`` before the segment) and the rest; the rest, best ``A_obs`` first (ties
@@ -268,26 +275,28 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig) -> torch.Tensor
     """
     batch, heads, num_segments, num_blocks = a_obs.shape
     seg_size, blk_size = config.segment_size, config.block_size
+    first_segment = q_start // seg_size
     coverage = coverage_at(config.coverage, num_blocks * blk_size)
     budgets = torch.empty(batch, heads, num_segments, dtype=torch.float64, device=a_obs.device)
     for b in range(batch):
         for h in range(heads):
-            for s in range(num_segments):
+            for row in range(num_segments):
+                s = first_segment + row
                 cand = candidate_blocks(s, seg_size, blk_size, num_blocks)
                 first_block = s * seg_size // blk_size
                 forced = [j for j in cand
                           if j < config.sink_blocks or first_block - config.local_blocks <= j < first_block]
-                rest = sorted((j for j in cand if j not in forced), key=lambda j: (-a_obs[b, h, s, j].item(), j))
-                row = a_obs[b, h, s].double()
-                total = 1.0 if config.observation in ("probe", "pooled") else row.sum().item()
-                taken = sum(row[j].item() for j in forced) + total - row.sum().item()
+                mass = a_obs[b, h, row].double()
+                rest = sorted((j for j in cand if j not in forced), key=lambda j: (-mass[j].item(), j))
+                total = 1.0 if config.observation in ("probe", "pooled") else mass.sum().item()
+                taken = sum(mass[j].item() for j in forced) + total - mass.sum().item()
                 count = 0
                 for j in rest:
                     if coverage < 1 and taken >= coverage * total:
                         break
-                    taken += row[j].item()
+                    taken += mass[j].item()
                     count += 1
-                budgets[b, h, s] = max(count, 1) * blk_size
+                budgets[b, h, row] = max(count, 1) * blk_size
     return budgets
 
 
@@ -317,11 +326,15 @@ class ReferencePlan:
     density: float
 
 
-def dense_row(segment: int, n: int, config: EntropyConfig) -> bool:
-    """Whether segment ``segment`` of an ``n``-token prompt attends densely: it starts before ``dense_prefix``, or
-    ``dense_last_segment`` and it holds one of the last ``segment_size`` tokens."""
+def dense_row(segment: int, n: int, config: EntropyConfig, q_start: int = 0) -> bool:
+    """Whether segment ``segment`` of the queries ``q_start .. n - 1`` attends densely: it starts before
+    ``dense_prefix``, or before ``q_start`` (a chunk holds only part of it), or ``dense_last_segment`` and it holds
+    one of the last ``segment_size`` tokens (of the chunk: the plugin cannot know which chunk is the prompt's
+    last)."""
     size = config.segment_size
-    return segment * size < config.dense_prefix or (config.dense_last_segment and (segment + 1) * size > n - size)
+    start = segment * size
+    return (start < config.dense_prefix or start < q_start
+            or (config.dense_last_segment and (segment + 1) * size > n - size))
 
 
 def _last_key_block(query_block: int, n: int, block_size: int) -> int:
@@ -330,22 +343,27 @@ def _last_key_block(query_block: int, n: int, block_size: int) -> int:
     return last_token // block_size
 
 
-def _causal_blocks(batch: int, heads: int, n: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """bool ``[B, H, C_Q, C_B]``: every key block holding at least one key visible to the query block."""
-    blocks = torch.zeros(batch, heads, _ceil_div(n, Q_BLOCK_SIZE), _ceil_div(n, block_size), dtype=torch.bool,
-                         device=device)
-    for qb in range(blocks.shape[2]):
-        blocks[:, :, qb, : _last_key_block(qb, n, block_size) + 1] = True
+def _causal_blocks(batch: int, heads: int, n: int, block_size: int, device: torch.device,
+                   q_start: int = 0) -> torch.Tensor:
+    """bool ``[B, H, C_Q, C_B]``: every key block holding at least one key visible to the query block, for the query
+    blocks ``q_start // 128 .. ceil(n / 128) - 1`` (row ``r`` is query block ``q_start // 128 + r``)."""
+    first_row = q_start // Q_BLOCK_SIZE
+    blocks = torch.zeros(batch, heads, _ceil_div(n, Q_BLOCK_SIZE) - first_row, _ceil_div(n, block_size),
+                         dtype=torch.bool, device=device)
+    for row in range(blocks.shape[2]):
+        blocks[:, :, row, : _last_key_block(first_row + row, n, block_size) + 1] = True
     return blocks
 
 
-def blocks_to_dense_mask(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
-    """Expand a ``[B, H, C_Q, C_B]`` block table to a token mask ``[B, H, N, N]`` AND causal ``j <= i``."""
+def blocks_to_dense_mask(blocks: torch.Tensor, n: int, block_size: int, q_start: int = 0) -> torch.Tensor:
+    """Expand a ``[B, H, C_Q, C_B]`` block table (rows from query block ``q_start // 128``) to a token mask
+    ``[B, H, n - q_start, n]`` AND causal ``j <= i`` (query ``i`` at position ``i``, ``q_start <= i < n``)."""
     device = blocks.device
-    query_block_of = torch.arange(n, device=device) // Q_BLOCK_SIZE  # token i -> its query block
-    key_block_of = torch.arange(n, device=device) // block_size  # token j -> its key block
-    token_mask = blocks[:, :, query_block_of, :][:, :, :, key_block_of]
-    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    positions = torch.arange(q_start, n, device=device)
+    row_of = positions // Q_BLOCK_SIZE - q_start // Q_BLOCK_SIZE  # query i -> its row
+    key_block_of = torch.arange(n, device=device) // block_size  # key j -> its key block
+    token_mask = blocks[:, :, row_of, :][:, :, :, key_block_of]
+    causal = positions[:, None] >= torch.arange(n, device=device)[None, :]
     return token_mask & causal
 
 
@@ -356,6 +374,7 @@ def select_blocks(
     layer_idx: int = 1,
     *,
     dtype: torch.dtype = torch.float64,
+    q_start: int = 0,
 ) -> ReferencePlan:
     """Key blocks each query block attends to (design.md §1.5), with the ``A_obs``/entropy/budgets behind them.
 
@@ -372,52 +391,66 @@ def select_blocks(
       before the segment, only those that are candidates) plus the top ``k[h, s]`` of the remaining candidates
       by ``A_obs[h, s]``, ties to the lower block index, where
       ``k[h, s] = min(floor(B[h, s] / L_B), number of non-forced candidates)``.
+
+    A chunk (design.md §1.7: ``q [B, Hq, M, D]`` at positions ``q_start ..``, ``k`` of ``N = q_start + M`` keys): the
+    same rule over the segments ``q_start // L_S ..`` and query blocks ``q_start // 128 ..`` that hold its queries,
+    dense when ``N <= dense_prefix``, a segment starting before ``q_start`` a dense row, the coverage at ``N``. Its
+    observation is the whole prompt's of the queries extended to position 0 with zero queries (only the partial first
+    segment reads them, and it is dense). ``budget_rule="fluctuation"`` raises (a recurrence from segment 0).
     """
-    _check_qk(q, k)
-    batch, q_heads, n, _ = q.shape
+    _check_qk(q, k, q_start)
+    batch, q_heads, _, dim = q.shape
+    n = k.shape[2]
     seg_size, blk_size = config.segment_size, config.block_size
+    first_segment, first_row = q_start // seg_size, q_start // Q_BLOCK_SIZE
     num_segments = _ceil_div(n, seg_size)
     num_blocks = _ceil_div(n, blk_size)
     num_qblocks = _ceil_div(n, Q_BLOCK_SIZE)
 
-    causal_blocks = _causal_blocks(batch, q_heads, n, blk_size, q.device)
+    causal_blocks = _causal_blocks(batch, q_heads, n, blk_size, q.device, q_start)
     if layer_idx in config.dense_layers or n <= config.dense_prefix:
-        return ReferencePlan(causal_blocks, blocks_to_dense_mask(causal_blocks, n, blk_size), None, None, None, 1.0)
+        return ReferencePlan(causal_blocks, blocks_to_dense_mask(causal_blocks, n, blk_size, q_start), None, None,
+                             None, 1.0)
+    coverage = config.budget_rule == "coverage"
+    if q_start and not coverage:
+        raise ValueError("budget_rule='fluctuation' cannot plan a chunk (q_start > 0): use budget_rule='coverage'")
 
-    a_obs = observation_attention(q, k, seg_size, blk_size, observation=config.observation,
+    extended = torch.cat([q.new_zeros(batch, q_heads, q_start, dim), q], dim=2)  # zero queries before the chunk
+    whole = observation_attention(extended, k, seg_size, blk_size, observation=config.observation,
                                   scale=config.observation_scale, probes=config.probes, dtype=dtype)
+    a_obs = whole[:, :, first_segment:]
     mass_rows = config.observation in ("probe", "pooled")
     normalised = a_obs / a_obs.sum(dim=-1, keepdim=True).clamp_min(1e-30) if mass_rows else a_obs
     entropy = segment_entropy(normalised, dtype=dtype)
-    coverage = config.budget_rule == "coverage"
-    budgets = coverage_budgets(a_obs, config) if coverage else allocate_budgets(entropy, config)
+    budgets = coverage_budgets(a_obs, config, q_start) if coverage else allocate_budgets(entropy, config)
 
-    blocks = torch.zeros(batch, q_heads, num_qblocks, num_blocks, dtype=torch.bool, device=q.device)
+    blocks = torch.zeros_like(causal_blocks)
     for b in range(batch):
         for h in range(q_heads):
             # Earlier key blocks chosen for each segment (the part of the row that lies before the segment).
-            chosen: list[list[int]] = []
-            for s in range(num_segments):
+            chosen: dict[int, list[int]] = {}
+            for s in range(first_segment, num_segments):
                 cand = candidate_blocks(s, seg_size, blk_size, num_blocks)
                 first_block = s * seg_size // blk_size
-                if dense_row(s, n, config):
-                    chosen.append(list(cand))
+                if dense_row(s, n, config, q_start):
+                    chosen[s] = list(cand)
                     continue
                 forced = [j for j in cand
                           if j < config.sink_blocks or first_block - config.local_blocks <= j < first_block]
                 rest = [j for j in cand if j not in forced]
-                k_sel = min(math.floor(budgets[b, h, s].item() / blk_size), len(rest))
-                ranked = sorted(rest, key=lambda j: (-a_obs[b, h, s, j].item(), j))  # ties: lower index first
-                chosen.append(forced + ranked[:k_sel])
-            for qb in range(num_qblocks):
+                row = s - first_segment
+                k_sel = min(math.floor(budgets[b, h, row].item() / blk_size), len(rest))
+                ranked = sorted(rest, key=lambda j: (-a_obs[b, h, row, j].item(), j))  # ties: lower index first
+                chosen[s] = forced + ranked[:k_sel]
+            for qb in range(first_row, num_qblocks):
                 s = qb * Q_BLOCK_SIZE // seg_size
                 first_block = s * seg_size // blk_size
                 own = list(range(first_block, _last_key_block(qb, n, blk_size) + 1))
                 for j in chosen[s] + own:
-                    blocks[b, h, qb, j] = True
+                    blocks[b, h, qb - first_row, j] = True
 
     density = blocks.sum().item() / causal_blocks.sum().item()
-    return ReferencePlan(blocks, blocks_to_dense_mask(blocks, n, blk_size), budgets, entropy, a_obs, density)
+    return ReferencePlan(blocks, blocks_to_dense_mask(blocks, n, blk_size, q_start), budgets, entropy, a_obs, density)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -433,13 +466,14 @@ def masked_attention(
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``softmax(q k^T * scale)`` over the allowed keys, times ``v``; ``[B, Hq, N, Dv]`` in ``dtype``.
+    """``softmax(q k^T * scale)`` over the allowed keys, times ``v``; ``[B, Hq, M, Dv]`` in ``dtype``.
 
-    ``mask`` is bool ``[B, Hq, N, N]`` (True = query i may attend key j; broadcastable shapes are expanded).
-    GQA: KV head ``h // G`` serves query head ``h`` (kv heads repeated ``G`` times). Rows with no allowed key
-    output 0. ``scale`` defaults to ``1 / sqrt(D)``.
+    ``q`` is ``[B, Hq, M, D]`` and ``k``/``v`` ``[B, Hkv, N, D]`` with ``M <= N`` (a chunk's queries are the last M
+    positions); ``mask`` is bool ``[B, Hq, M, N]`` (True = query i may attend key j; broadcastable shapes are
+    expanded). GQA: KV head ``h // G`` serves query head ``h`` (kv heads repeated ``G`` times). Rows with no allowed
+    key output 0. ``scale`` defaults to ``1 / sqrt(D)``.
     """
-    group = _check_qk(q, k)
+    group = _check_qk(q, k, k.shape[2] - q.shape[2])
     batch, q_heads, n, dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
@@ -451,7 +485,7 @@ def masked_attention(
     out = torch.zeros(batch, q_heads, n, v.shape[-1], dtype=dtype, device=q.device)
     for b in range(batch):
         for h in range(q_heads):
-            scores = (qd[b, h] @ k_rep[b, h].transpose(0, 1)) * scale  # [N, N]
+            scores = (qd[b, h] @ k_rep[b, h].transpose(0, 1)) * scale  # [M, N]
             scores = scores.masked_fill(~mask[b, h], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             has_key = mask[b, h].any(dim=-1, keepdim=True)
@@ -467,11 +501,13 @@ def sparse_prefill_attention(
     config: EntropyConfig,
     layer_idx: int = 1,
     dtype: torch.dtype = torch.float64,
+    q_start: int = 0,
 ) -> torch.Tensor:
     """Entropy-guided sparse prefill attention (design.md §1): :func:`masked_attention` on ``select_blocks(...)``.
 
     Selection (observation attention, entropy, budgets, top-k) and attention are both computed in ``dtype``;
-    the output is ``[B, Hq, N, Dv]`` in ``dtype`` with the default ``1 / sqrt(D)`` scale.
+    the output is ``[B, Hq, M, Dv]`` in ``dtype`` with the default ``1 / sqrt(D)`` scale (``M = N`` for a whole
+    prompt; a chunk's queries at ``q_start ..``, design.md §1.7).
     """
-    plan = select_blocks(q, k, config, layer_idx, dtype=dtype)
+    plan = select_blocks(q, k, config, layer_idx, dtype=dtype, q_start=q_start)
     return masked_attention(q, k, v, plan.dense_mask, dtype=dtype)

@@ -101,17 +101,20 @@ def _coverage_clear(scores: torch.Tensor, forced_mass: torch.Tensor, total: torc
     return (coverage >= 1) | (((before - need[..., None]).abs() > tol) | same).all(dim=-1)
 
 
-def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig, dtype: torch.dtype) -> torch.Tensor:
+def _clear_rows(ref: reference.ReferencePlan, cfg: EntropyConfig, dtype: torch.dtype,
+                first_segment: int = 0) -> torch.Tensor:
     """(b, h, s) rows whose top-k decision has a margin well above float32 noise: the k-th and (k+1)-th free
     scores differ by > 1e-5 and the budget is not within 1e-2 tokens of a block boundary; under the coverage rule
-    also a count that float32 rounding of the masses cannot move (`_coverage_clear`)."""
+    also a count that float32 rounding of the masses cannot move (`_coverage_clear`). Row ``s`` of ``ref`` is segment
+    ``first_segment + s`` (a chunk's plan)."""
     a, budgets = ref.a_obs, ref.budgets
     num_segments, num_blocks = a.shape[-2:]
     clear = torch.ones(a.shape[:-1], dtype=torch.bool)
     per_segment = cfg.segment_size // cfg.block_size
     for s in range(num_segments):
-        cand = reference.candidate_blocks(s, cfg.segment_size, cfg.block_size, num_blocks)
-        free = [j for j in cand if not (j < cfg.sink_blocks or s * per_segment - cfg.local_blocks <= j)]
+        cand = reference.candidate_blocks(first_segment + s, cfg.segment_size, cfg.block_size, num_blocks)
+        free = [j for j in cand
+                if not (j < cfg.sink_blocks or (first_segment + s) * per_segment - cfg.local_blocks <= j)]
         if not free:
             continue
         scores = a[..., s, free].sort(dim=-1, descending=True).values

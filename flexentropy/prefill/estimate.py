@@ -3,6 +3,11 @@
 Nothing here builds an ``N x N`` tensor: the true attention is taken for the last few queries only
 (`last_queries_attention`, ``[B, Hq, n, N]``), and block statistics are sums or means over ``size`` tokens.
 Computation runs in ``compute_dtype`` (float32, float64 for float64 inputs).
+
+The probe observations (`probe_block_mass`, `pooled_block_mass`, `probe_mass_kernel`) also serve a chunk of a
+prompt: given queries ``q [B, Hq, M, D]`` and keys ``k [B, Hkv, N, D]`` with ``M <= N``, the queries are those of
+the last M positions ``N - M .. N - 1``, and ``N - M`` is a multiple of the segment size (the selection pads a
+chunk's queries to its first segment's start, design.md §1.7): the segments are those holding the queries.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from flexentropy._compile import keep_dynamic, no_silent_fallback
+from flexentropy._compile import keep_dynamic
 from flexentropy.config import Q_BLOCK_SIZE
+from flexentropy.sparse.kernel import compiled_region
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,15 +44,16 @@ def positions_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     Returns:
         ``[B, Hq, R, M]`` in `compute_dtype`; keys after a query's position are 0. Memory ``O(B * Hq * R * M)``.
     """
-    probs = torch.softmax(_causal_logits(q, k, positions, scale, input_dtype_logits), dim=-1)
+    probs = torch.softmax(_causal_logits(q, k, positions, positions, scale, input_dtype_logits), dim=-1)
     return rearrange(probs, "b h g i j -> b (h g) i j")
 
 
-def _causal_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
+def _causal_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, scale: float,
                    input_dtype_logits: bool) -> torch.Tensor:
-    """Logits ``[B, Hkv, G, R, M]`` in `compute_dtype` of `positions_attention`, ``-inf`` after each query."""
+    """Logits ``[B, Hkv, G, R, M]`` in `compute_dtype` of `positions_attention`, ``-inf`` after each query: the
+    queries ``q[:, :, rows]`` at ``positions`` (``rows = positions - (N - len(q))`` for a chunk's queries)."""
     dtype = compute_dtype(q.dtype)
-    rows = rearrange(q[:, :, positions], "b (h g) i d -> b h g i d", g=q.shape[1] // k.shape[1])
+    rows = rearrange(q[:, :, rows], "b (h g) i d -> b h g i d", g=q.shape[1] // k.shape[1])
     if not input_dtype_logits:
         rows, k = rows.to(dtype), k.to(dtype)
     logits = torch.einsum("bhgid,bhjd->bhgij", rows, k).to(dtype) / (math.sqrt(q.shape[-1]) / scale)
@@ -97,12 +104,14 @@ PROBE_CHUNK_SCORES_COMPILED = 2**28
 chunks (docs/performance.md)."""
 
 
-def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None
-                    ) -> torch.Tensor:
-    """The probe queries of every segment: ``probes`` evenly strided positions, each the last of its stride
-    (``s L_S + (i + 1) L_S / probes - 1``), clamped to the last token. int64 ``[C_S, probes]``."""
-    rows = torch.arange(-(-seq_len // segment_size) * probes, device=device)
-    return probe_row_position(rows, probes, segment_size, segment_size // probes, seq_len - 1).view(-1, probes)
+def probe_positions(seq_len: int, segment_size: int, probes: int, device: torch.device | str | None = None, *,
+                    q_start: int = 0) -> torch.Tensor:
+    """The probe queries of every segment holding one of the positions ``q_start .. seq_len - 1``: ``probes`` evenly
+    strided positions, each the last of its stride (``s L_S + (i + 1) L_S / probes - 1``), clamped to the last
+    token. int64 ``[C_S, probes]``, from segment ``q_start // L_S``."""
+    first = q_start // segment_size
+    rows = torch.arange((-(-seq_len // segment_size) - first) * probes, device=device)
+    return probe_row_position(rows, probes, segment_size, segment_size // probes, seq_len - 1, first).view(-1, probes)
 
 
 def probe_rows_per_chunk(probes: int, limit: int, per_row: int) -> int:
@@ -119,10 +128,13 @@ def segment_means(mass: torch.Tensor, probes: int) -> torch.Tensor:
 
 
 def probe_row_position(row: torch.Tensor, probes: int | torch.Tensor, segment_size: int | torch.Tensor,
-                       stride: int | torch.Tensor, last: int | torch.Tensor) -> torch.Tensor:
-    """Position of probe row ``row`` of `probe_positions` flattened (``s * probes + i``): ``s L_S + (i + 1) stride
-    - 1``, at most ``last``. The sizes may be ints or 0-d tensors (a compiled ``mask_mod`` reads them from one)."""
-    return torch.clamp((row // probes) * segment_size + (row % probes + 1) * stride - 1, max=last)
+                       stride: int | torch.Tensor, last: int | torch.Tensor,
+                       first_segment: int | torch.Tensor = 0) -> torch.Tensor:
+    """Position of probe row ``row`` of `probe_positions` flattened (``c * probes + i``, segment ``s = first_segment
+    + c``): ``s L_S + (i + 1) stride - 1``, at most ``last``. The sizes may be ints or 0-d tensors (a compiled
+    ``mask_mod`` reads them from one)."""
+    segment = first_segment + row // probes
+    return torch.clamp(segment * segment_size + (row % probes + 1) * stride - 1, max=last)
 
 
 def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,
@@ -143,29 +155,33 @@ def probe_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_
     docs/performance.md). Selection takes the kernel on CUDA by default (`EntropyConfig.probe_kernel`).
 
     Args:
-        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
+        q: ``[B, Hq, M, D]`` the queries of the last M positions (M = N: a whole prompt; a chunk's from a segment
+            start, module docstring). k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
 
     Returns:
-        ``[B, Hq, C_S, C_B]`` in `compute_dtype`.
+        ``[B, Hq, C_S, C_B]`` in `compute_dtype`, the segments holding the queries.
     """
     if kernel:
         return probe_mass_kernel(q, k, segment_size, block_size, probes, scale, compiled=q.is_cuda)
-    batch, q_heads, n, _ = q.shape
-    positions = probe_positions(n, segment_size, probes, q.device).flatten()         # [C_S * probes]
+    batch, q_heads = q.shape[:2]
+    n = k.shape[-2]
+    q_start = n - q.shape[-2]
+    positions = probe_positions(n, segment_size, probes, q.device, q_start=q_start).flatten()   # [C_S * probes]
     num_blocks = -(-n // block_size)
     limit = PROBE_CHUNK_SCORES_COMPILED if compiled else PROBE_CHUNK_SCORES
     per_chunk = probe_rows_per_chunk(probes, limit, batch * q_heads * n)
     score = _compiled_scored_chunk if compiled else _scored_chunk
     masses = []
-    with no_silent_fallback() if compiled else contextlib.nullcontext():
+    with compiled_region() if compiled else contextlib.nullcontext():
         for start in range(0, positions.shape[0], per_chunk):   # chunks of whole segments (a few at 32k, batch 1)
             stop = min(start + per_chunk, positions.shape[0])
-            keys_seen = min(n, stop // probes * segment_size)   # every key up to the chunk's last probe
-            rows = positions[start:stop]
+            keys_seen = min(n, q_start + stop // probes * segment_size)   # every key up to the chunk's last probe
+            at = positions[start:stop]
+            rows = at - q_start                                 # the probes' rows of q
             if compiled:
-                rows = rows.clone()                             # not a view: dynamo would guard its base's size
-                keep_dynamic(rows, dims=(0,))
-            mass = score(q, k[..., :keys_seen, :], rows, scale, block_size)
+                at = at.clone()                                 # not a view: dynamo would guard its base's size
+                keep_dynamic(at, rows, dims=(0,))
+            mass = score(q, k[..., :keys_seen, :], at, rows, scale, block_size)
             masses.append(segment_means(F.pad(mass, (0, num_blocks - mass.shape[-1])), probes))
     return torch.cat(masses, dim=-2)
 
@@ -182,12 +198,15 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     scores.
 
     Args:
-        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``. probes: a divisor of ``segment_size``.
+        q: ``[B, Hq, M, D]`` the queries of the last M positions (as `probe_block_mass`). k: ``[B, Hkv, N, D]``.
+            probes: a divisor of ``segment_size``.
 
     Returns:
         ``[B, Hq, C_S, C_B]`` in `compute_dtype`; a row sums to 1 over the blocks up to its segment's last probe.
     """
-    batch, q_heads, n, dim = q.shape
+    batch, q_heads, _, dim = q.shape
+    n = k.shape[-2]
+    q_start = n - q.shape[-2]
     group, dtype = q_heads // k.shape[1], compute_dtype(q.dtype)
     num_blocks = -(-n // block_size)
     # every probe ends a run of `grain` keys: running sums of the runs within each block give a probe its own block's
@@ -199,7 +218,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     counts = torch.clamp(n - torch.arange(num_blocks, device=q.device) * block_size, max=block_size)
     means = within[..., -1, :] / counts[:, None].to(dtype)                                # [B, Hkv, C_B, D]
     within = within.flatten(2, 3)                                                         # [B, Hkv, C_B L_B/grain, D]
-    positions = probe_positions(n, segment_size, probes, q.device).flatten()             # [R]
+    positions = probe_positions(n, segment_size, probes, q.device, q_start=q_start).flatten()   # [R]
     step = scale / math.sqrt(dim)
     per_chunk = probe_rows_per_chunk(probes, PROBE_CHUNK_SCORES, batch * q_heads * num_blocks)
     blocks = torch.arange(num_blocks, device=q.device)
@@ -208,7 +227,7 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         rows = positions[start:start + per_chunk]
         own = rows // block_size                                                          # [R] the probe's block
         count = (rows - own * block_size + 1).to(dtype)                                   # its keys the probe sees
-        queries = rearrange(q[:, :, rows].to(dtype), "b (h g) r d -> b h g r d", g=group)
+        queries = rearrange(q[:, :, rows - q_start].to(dtype), "b (h g) r d -> b h g r d", g=group)
         logits = torch.einsum("bhgrd,bhcd->bhgrc", queries, means) * step + math.log(block_size)
         partial = within[:, :, rows // grain] / count[:, None]                            # [B, Hkv, R, D]
         own_logit = torch.einsum("bhgrd,bhrd->bhgr", queries, partial) * step + count.log()
@@ -218,14 +237,15 @@ def pooled_block_mass(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     return torch.cat(masses, dim=-2)
 
 
-def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
+def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, scale: float,
                   block_size: int) -> torch.Tensor:
-    """Block sums ``[B, Hq, R, ceil(M / block_size)]`` of the probe rows' causal attention over ``k [B, Hkv, M, D]``
-    (`positions_attention`'s softmax, logits in the input dtype), taken block-wise: each key block's log-sum-exp,
-    then a softmax over the blocks. Equal to summing the softmax over each block, but the scores are read once (a
-    reduction over the ``block_size`` keys of a block, which a compiled graph keeps in registers) instead of once for
-    the row's maximum, once for its sum and once for the block sums."""
-    logits = F.pad(_causal_logits(q, k, positions, scale, True), (0, -k.shape[-2] % block_size), value=float("-inf"))
+    """Block sums ``[B, Hq, R, ceil(K / block_size)]`` of the causal attention of the probe queries ``q[:, :, rows]``
+    at ``positions`` over ``k [B, Hkv, K, D]`` (`positions_attention`'s softmax, logits in the input dtype), taken
+    block-wise: each key block's log-sum-exp, then a softmax over the blocks. Equal to summing the softmax over each
+    block, but the scores are read once (a reduction over the ``block_size`` keys of a block, which a compiled graph
+    keeps in registers) instead of once for the row's maximum, once for its sum and once for the block sums."""
+    logits = F.pad(_causal_logits(q, k, positions, rows, scale, True), (0, -k.shape[-2] % block_size),
+                   value=float("-inf"))
     blocks = rearrange(logits, "b h g i (c s) -> b h g i c s", s=block_size)
     peak = blocks.amax(dim=-1, keepdim=True)
     peak = peak.masked_fill(peak == float("-inf"), 0.0)                 # a block no probe sees: exp(-inf) = 0
@@ -247,25 +267,27 @@ probe queries are repeated once per chunk). Timed per width by ``profiling/prefi
 
 
 def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_size: int, stride: int, last: int,
-                      batch: int, device: torch.device) -> BlockMask:
+                      batch: int, device: torch.device, first_segment: int = 0) -> BlockMask:
     """BlockMask of the probe-mass kernel: batch entry ``c * batch + b`` holds key chunk ``c``; probe row ``i``
-    (global row ``row0 + i``) sees the keys of the chunk at or before its position (`probe_positions`).
+    (global row ``row0 + i``, of the segments from ``first_segment``) sees the keys of the chunk at or before its
+    position (`probe_positions`).
 
     Built eagerly, outside the compiled kernel: built inside a compiled graph with dynamic shapes it lost part of a
     probe's mass on CUDA (docs/performance.md). The ``mask_mod`` reads its sizes from device tensors
     filled without a host-to-device copy, so the compiled kernel neither recompiles per length nor syncs."""
     probes = segment_size // stride
     sizes = torch.stack([torch.full((), value, dtype=torch.int64, device=device)       # fills: no host copy, no sync
-                         for value in (probes, segment_size, stride, last, batch, width, row0)])
+                         for value in (probes, segment_size, stride, last, batch, width, row0, first_segment)])
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return probe_row_position(sizes[6] + q_idx, *sizes[:4]) >= (b // sizes[4]) * sizes[5] + kv_idx
+        position = probe_row_position(sizes[6] + q_idx, *sizes[:4], sizes[7])
+        return position >= (b // sizes[4]) * sizes[5] + kv_idx
 
     q_blocks, kv_blocks = -(-rows // Q_BLOCK_SIZE), width // Q_BLOCK_SIZE
     first = row0 + torch.arange(q_blocks, device=device) * Q_BLOCK_SIZE
-    lo = probe_row_position(first, probes, segment_size, stride, last)        # [Qb] positions ascend with rows
+    lo = probe_row_position(first, probes, segment_size, stride, last, first_segment)   # [Qb] ascending with rows
     hi = probe_row_position(torch.clamp(first + Q_BLOCK_SIZE, max=row0 + rows) - 1, probes, segment_size, stride,
-                            last)
+                            last, first_segment)
     start = (torch.arange(chunks * batch, device=device) // batch)[:, None] * width              # [C*B, 1]
     full = torch.clamp((lo[None] - start + 1) // Q_BLOCK_SIZE, 0, kv_blocks).to(torch.int32)  # [C*B, Qb]
     seen = torch.clamp(hi[None] - start + Q_BLOCK_SIZE, 0, kv_blocks * Q_BLOCK_SIZE) // Q_BLOCK_SIZE
@@ -294,10 +316,15 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     counts: the chunks cannot go on the head dim). ``compiled=False`` runs eager flex (every score evaluated: tests
     and small N only; torch's compiled CPU flex cannot return the log-sum-exp).
 
+    Args:
+        q: ``[B, Hq, M, D]`` the queries of the last M positions (as `probe_block_mass`). k: ``[B, Hkv, N, D]``.
+
     Returns:
         ``[B, Hq, C_S, C_B]`` float32.
     """
-    batch, q_heads, n, dim = q.shape
+    batch, q_heads, _, dim = q.shape
+    n = k.shape[-2]
+    q_start = n - q.shape[-2]
     value_dim = PROBE_VALUE_DIM or dim
     width = value_dim * block_size
     chunks = max(2, -(-n // width))
@@ -309,7 +336,7 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
         rearrange(F.pad(k, (0, 0, 0, chunks * width - n)), "b h (c w) d -> c b h w d", w=width))
     block = torch.arange(width, device=q.device) // block_size
     one_hot = (block[:, None] == torch.arange(value_dim, device=q.device)).to(dtype)      # [W, V]
-    positions = probe_positions(n, segment_size, probes, q.device).flatten()
+    positions = probe_positions(n, segment_size, probes, q.device, q_start=q_start).flatten()
     total = positions.shape[0]
     per_call = probe_rows_per_chunk(probes, PROBE_KERNEL_OUTPUTS, batch * chunks * q_heads * value_dim)
     # Triton: the FLASH backend cannot inline the mask's symbolic sizes (torch 2.11, "captures a dynamic scalar")
@@ -317,12 +344,12 @@ def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block
     values = one_hot.repeat(chunks * batch, kv_heads, 1, 1)                              # [C*B, Hkv, W, V]
     masses = []
     run = _compiled_flex if compiled else flex_attention
-    with no_silent_fallback():
+    with compiled_region():
         for start in range(0, total, per_call):
             stop = min(start + per_call, total)
             block_mask = _probe_block_mask(stop - start, start, chunks, width, segment_size, segment_size // probes,
-                                           n - 1, batch, q.device)
-            queries = q[:, :, positions[start:stop]].repeat(chunks, 1, 1, 1)                 # [C*B, Hq, R, D]
+                                           n - 1, batch, q.device, q_start // segment_size)
+            queries = q[:, :, positions[start:stop] - q_start].repeat(chunks, 1, 1, 1)      # [C*B, Hq, R, D]
             out, aux = run(queries, key_chunks, values, block_mask=block_mask, scale=scale / math.sqrt(dim),
                            return_aux=AuxRequest(lse=True), enable_gqa=q_heads != kv_heads,
                            kernel_options=options)

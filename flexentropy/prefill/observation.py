@@ -11,16 +11,24 @@ from flexentropy.prefill.estimate import pooled_block_mass, probe_block_mass
 from flexentropy.prefill.representatives import chunk_extrema
 
 
-def candidate_blocks(num_segments: int, num_blocks: int, segment_size: int, block_size: int,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def chunk_segments(num_segments: int, first_segment: int | torch.Tensor,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Indices of the ``num_segments`` segments from ``first_segment`` (0: a whole prompt's): int64 ``[C_S]``.
+    ``first_segment`` may be a 0-d tensor or a symbolic size (a compiled caller's)."""
+    return torch.arange(num_segments, device=device) + first_segment
+
+
+def candidate_blocks(segments: torch.Tensor, num_blocks: int, segment_size: int, block_size: int) -> torch.Tensor:
     """Key blocks each segment may select: those ending at or before the segment's first token.
 
+    Args:
+        segments: int64 ``[S]`` segment indices (`chunk_segments`, or any per-row indices).
+
     Returns:
-        bool ``[C_S, C_B]``, True where ``(j + 1) * block_size <= s * segment_size``. Row 0 is all False.
+        bool ``[S, C_B]``, True where ``(j + 1) * block_size <= s * segment_size``. Segment 0 has none.
     """
-    s = torch.arange(num_segments, device=device)
-    j = torch.arange(num_blocks, device=device)
-    return (j[None, :] + 1) * block_size <= s[:, None] * segment_size
+    j = torch.arange(num_blocks, device=segments.device)
+    return (j[None, :] + 1) * block_size <= segments[:, None] * segment_size
 
 
 def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -74,11 +82,15 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,
                  scale: float, probes: int = 16, kernel: bool = False, compiled: bool = False) -> torch.Tensor:
+    """`observation_attention` on checked arguments, also of a chunk's queries: ``q [B, Hq, M, D]`` the last M of the
+    ``N`` positions of ``k``, from a segment's start (``N - M`` a multiple of ``segment_size``: the selection pads a
+    chunk's queries to it, design.md §1.7). ``[B, Hq, C_S, C_B]`` over the segments holding the queries."""
+    first_segment = (k.shape[-2] - q.shape[-2]) // segment_size
     if observation in MASS_OBSERVATIONS:
         mass = (probe_block_mass(q, k, segment_size, block_size, probes, scale, kernel=kernel, compiled=compiled)
                 if observation == "probe" else pooled_block_mass(q, k, segment_size, block_size, probes, scale)).float()
-        allowed = candidate_blocks(mass.shape[-2], mass.shape[-1], segment_size, block_size, q.device)
-        return mass * allowed
+        segments = chunk_segments(mass.shape[-2], first_segment, q.device)
+        return mass * candidate_blocks(segments, mass.shape[-1], segment_size, block_size)
     group = q.shape[1] // k.shape[1]
     qmax, qmin = chunk_extrema(q, segment_size)                     # [B, Hq, C_S, D]
     kmax, kmin = chunk_extrema(k, block_size)                       # [B, Hkv, C_B, D]
@@ -89,7 +101,8 @@ def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size
         return rearrange(s, "b g r s j -> b (g r) s j")
 
     s1, s2, s3, s4 = logits(qmax, kmax), logits(qmax, kmin), logits(qmin, kmax), logits(qmin, kmin)
-    allowed = candidate_blocks(s1.shape[-2], s1.shape[-1], segment_size, block_size, q.device)
+    segments = chunk_segments(s1.shape[-2], first_segment, q.device)
+    allowed = candidate_blocks(segments, s1.shape[-1], segment_size, block_size)
     if observation == "paper":
         upper = (_masked_softmax(s1, allowed) + _masked_softmax(s2, allowed)) / 2
         lower = (_masked_softmax(s3, allowed) + _masked_softmax(s4, allowed)) / 2

@@ -1,20 +1,25 @@
-"""Block-sparse attention kernel: ``flex_attention`` over a `SparsePlan`, compiled once for every length.
+"""Block-sparse attention kernel: ``flex_attention`` over a `SparsePlan`, compiled once for every length and chunk.
 
 The BlockMask is built *inside* the compiled region from the plan's tensors, and the region is compiled with
 ``dynamic=True``, so a new sequence length reuses the same graph instead of recompiling (each compile costs
 seconds; past ``torch._dynamo.config.recompile_limit`` recompiles, flex would silently fall back to the eager
-path that materialises every score: an out-of-memory at long N). Hitting the limit raises instead.
+path that materialises every score: an out-of-memory at long N). Hitting the limit raises instead. A chunk's
+offset (the position of its first row) enters as a 0-d tensor on the device, so a new offset is no guard either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 
 import torch
+from torch.fx.experimental import _config as shape_config
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexentropy._compile import keep_dynamic, no_silent_fallback
+from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, make_block_mask
 
 COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,10 +64,41 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
     return {"BLOCK_N": block_size} if block_size < 128 else None
 
 
+@contextlib.contextmanager
+def compiled_region() -> Iterator[None]:
+    """The settings of a call into one of the prefill's compiled graphs: `no_silent_fallback`, and no duck sizing.
+
+    Dynamo gives equal sizes one symbol: a whole prompt's queries and keys (equal lengths) would compile a graph
+    that guards on their equality, and the next chunk (fewer queries than keys) would compile again. Inside an
+    outer ``torch.compile`` the outer graph's settings apply.
+    """
+    with no_silent_fallback():
+        if torch.compiler.is_compiling():
+            yield
+            return
+        with shape_config.patch(use_duck_shape=False):
+            yield
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [B, H, M, D]`` after ``rows`` rows of zeros: ``[B, H, rows + M, D]`` (``x`` itself when ``rows == 0``).
+
+    The copy keeps ``x``'s order of strides (a transposed view stays one), so a compiled graph that took ``x``
+    serves the padded copy too instead of compiling for a new layout.
+    """
+    if rows == 0:
+        return x
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)          # outermost dim first
+    shape = [*x.shape[:-2], rows + x.shape[-2], x.shape[-1]]
+    padded = x.new_zeros([shape[d] for d in order]).permute([order.index(d) for d in range(x.dim())])
+    padded[..., rows:, :] = x
+    return padded
+
+
 def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
                      tensors: tuple[torch.Tensor, ...], block_size: int, scale: float | None,
-                     options: dict[str, object] | None, table_mask_mod: bool) -> torch.Tensor:
-    block_mask = make_block_mask(blocks, q.shape[-2], block_size, tensors, table_mask_mod)
+                     options: dict[str, object] | None, table_mask_mod: bool, offset: torch.Tensor) -> torch.Tensor:
+    block_mask = make_block_mask(blocks, (q.shape[-2], k.shape[-2]), block_size, tensors, table_mask_mod, offset)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
 
@@ -70,35 +106,55 @@ def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
 _compiled_flex_over_table = torch.compile(_flex_over_table, dynamic=True, fullgraph=True)
 
 
+def kernel_rows(plan: SparsePlan) -> tuple[int, torch.Tensor]:
+    """``(start, blocks)``: the position of the kernel's first query row and the block table of its rows.
+
+    The rows start on the 128-token grid (the plan's first row, ``plan.row_start``); a plan of one row gets an empty
+    row before it, so that the compiled kernel never sees a query-block count of 1, which dynamo would specialise.
+    """
+    if plan.blocks.shape[-2] != 1 or plan.row_start < Q_BLOCK_SIZE:
+        return plan.row_start, plan.blocks
+    empty = plan.blocks.new_zeros(*plan.blocks.shape[:-2], 1, plan.blocks.shape[-1])
+    return plan.row_start - Q_BLOCK_SIZE, torch.cat([empty, plan.blocks], dim=-2)
+
+
 def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan, *, scale: float | None = None,
              compiled: bool = True, backend: str = "auto") -> torch.Tensor:
-    """Attention of ``q [B, Hq, N, D]`` over ``k``/``v [B, Hkv, N, D]`` restricted to ``plan``.
+    """Attention of the queries ``q [B, Hq, M, D]`` (positions ``plan.q_start ..``) over ``k``/``v [B, Hkv,
+    plan.seq_len, D]`` (positions ``0 ..``) restricted to ``plan``, causal bottom-right: query ``i`` sees the keys
+    up to ``plan.q_start + i``.
 
-    ``compiled=False`` runs eager ``flex_attention``, which evaluates the plan's ``mask_mod`` on all N x N scores
-    (small N only; used by the property tests). Output dtype = ``q.dtype``.
+    The kernel's query rows start on the 128-token grid (`kernel_rows`): a chunk that starts inside a query block runs
+    with rows of zeros in front, dropped from the output. ``compiled=False`` runs eager ``flex_attention``, which
+    evaluates the plan's ``mask_mod`` on all M x N scores (small N only; used by the property tests). Output
+    ``[B, Hq, M, D]`` in ``q.dtype``.
     """
     if compiled and q.dtype not in COMPILED_DTYPES:
         raise TypeError(f"the compiled sparse kernel (torch FlexAttention) takes float16, bfloat16 or float32 "
                         f"inputs, got {q.dtype}: cast q/k/v (or load the model) in float32, or pass compiled=False "
                         "(eager flex, N x N memory: small N only)")
-    tensors = block_mask_tensors(plan.blocks, plan.seq_len, plan.block_size)
+    start, blocks = kernel_rows(plan)
+    pad = plan.q_start - start
+    rows = pad_rows(q, pad)                                                      # [B, Hq, pad + M, D]
+    offset = torch.full((), start, dtype=torch.int32, device=q.device)          # a fill: no host copy, no sync
+    tensors = block_mask_tensors(blocks, plan.seq_len, plan.block_size, start)
     if not compiled:
-        return _flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, None, True)
+        return _flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, None, True, offset)[..., pad:, :]
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
     keep_dynamic(*tensors[0::2], dims=(-1,))        # C_Q of the counts [B, H, C_Q]
     keep_dynamic(*tensors[1::2], dims=(-2, -1))     # C_Q, C_B of the indices [B, H, C_Q, C_B]
-    with no_silent_fallback():
-        out = _compiled_flex_over_table(q, k, v, plan.blocks, tensors, plan.block_size, scale, options, False)
-    return out.masked_fill(nan_rows(q, k, v), float("nan"))
+    with compiled_region():
+        out = _compiled_flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, options, False, offset)
+    return out[..., pad:, :].masked_fill(nan_rows(q, k, v, plan.q_start), float("nan"))
 
 
-def nan_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Rows that dense causal attention makes NaN: bool ``[B, Hq, N, 1]``.
+def nan_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0) -> torch.Tensor:
+    """Rows that dense causal attention makes NaN: bool ``[B, Hq, M, 1]`` for the queries at ``q_start ..``.
 
     A query holding NaN or inf gives NaN scores; a NaN key or value reaches every later query of its group. The
     compiled CPU kernel returns zeros or a finite row there, and a plan may skip the NaN key's block, so one pass
     over q, k and v marks these rows (outside the compiled region: the CPU template takes no epilogue).
     """
     bad_kv = (k.isnan().any(dim=-1) | v.isnan().any(dim=-1)).to(torch.int32).cumsum(dim=-1) > 0   # [B, Hkv, N]
-    bad_kv = bad_kv.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    bad_kv = bad_kv[..., q_start:].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (bad_kv | ~q.isfinite().all(dim=-1))[..., None]

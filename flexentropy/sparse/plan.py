@@ -20,38 +20,73 @@ from flexentropy.config import Q_BLOCK_SIZE
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Key blocks holding at least one key visible to some query of each query block.
+def query_blocks(seq_len: int, q_start: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """The query blocks of 128 tokens, on the grid from position 0, that hold the queries ``q_start .. seq_len - 1``:
+    int64 ``[C_Q]``, from ``q_start // 128`` to ``ceil(seq_len / 128) - 1`` (a plan's rows)."""
+    return torch.arange(q_start // Q_BLOCK_SIZE, -(-seq_len // Q_BLOCK_SIZE), device=device)
+
+
+def causal_rows(rows: torch.Tensor, seq_len: int | torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Key blocks holding at least one key visible to some query of each query block of ``rows``.
+
+    Args:
+        rows: int64 ``[C_Q]`` query blocks (`query_blocks`). seq_len: the key length (the last query is
+            ``seq_len - 1``), an int or a 0-d tensor (a compiled caller's, so that a new length is no guard).
 
     Returns:
-        bool ``[C_Q, C_B]``: True where ``j * block_size <= last query of qb``.
+        bool ``[C_Q, C_B]``: True where ``j * block_size <= min((r + 1) * 128, seq_len) - 1``.
     """
-    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
-    j = torch.arange(-(-seq_len // block_size), device=device)
-    last_q = torch.clamp((qb + 1) * Q_BLOCK_SIZE, max=seq_len) - 1
+    j = torch.arange(num_blocks, device=rows.device)
+    last_q = torch.clamp((rows + 1) * Q_BLOCK_SIZE, max=seq_len) - 1
     return j[None, :] * block_size <= last_q[:, None]
 
 
-def partial_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Blocks that need ``mask_mod`` inside: those crossing the diagonal, and the padded tails.
+def causal_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None, *,
+                  q_start: int = 0) -> torch.Tensor:
+    """`causal_rows` of the query blocks holding the queries ``q_start .. seq_len - 1`` over the keys
+    ``0 .. seq_len - 1`` (a whole prompt: ``q_start=0``).
 
     Returns:
-        bool ``[C_Q, C_B]``: True where some key of block j lies after the first query of qb, or either block
+        bool ``[C_Q, C_B]``.
+    """
+    return causal_rows(query_blocks(seq_len, q_start, device), seq_len, -(-seq_len // block_size), block_size)
+
+
+def partial_blocks(seq_len: int, block_size: int, device: torch.device | str | None = None, *,
+                   q_start: int = 0) -> torch.Tensor:
+    """Blocks that need ``mask_mod`` inside: those crossing the diagonal, and the padded tails.
+
+    The rows are `query_blocks` ``(seq_len, q_start)``; a row's first query is taken at its grid start
+    (``r * 128``: the kernel pads a chunk's queries to it).
+
+    Returns:
+        bool ``[C_Q, C_B]``: True where some key of block j lies after the first query of row r, or either block
         extends past ``seq_len``.
     """
-    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=device)
+    rows = query_blocks(seq_len, q_start, device)
     j = torch.arange(-(-seq_len // block_size), device=device)
-    crosses = (j[None, :] + 1) * block_size - 1 > qb[:, None] * Q_BLOCK_SIZE
+    crosses = (j[None, :] + 1) * block_size - 1 > rows[:, None] * Q_BLOCK_SIZE
     kv_tail = (j + 1) * block_size > seq_len
-    q_tail = (qb + 1) * Q_BLOCK_SIZE > seq_len
+    q_tail = (rows + 1) * Q_BLOCK_SIZE > seq_len
     return crosses | kv_tail[None, :] | q_tail[:, None]
 
 
-def block_table_mask_mod(blocks: torch.Tensor, block_size: int) -> MaskMod:
-    """``mask_mod`` reading the block table: ``blocks[b, h, q // 128, kv // block_size] & (q >= kv)``."""
+def block_table_mask_mod(blocks: torch.Tensor, block_size: int, offset: int | torch.Tensor = 0) -> MaskMod:
+    """``mask_mod`` reading the block table: ``blocks[b, h, q // 128, kv // block_size] & (q + offset >= kv)``, the
+    query ``q`` at position ``q + offset`` (a chunk's rows start at ``offset``, a multiple of 128)."""
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return blocks[b, h, q_idx // Q_BLOCK_SIZE, kv_idx // block_size] & (q_idx >= kv_idx)
+        return blocks[b, h, q_idx // Q_BLOCK_SIZE, kv_idx // block_size] & (q_idx + offset >= kv_idx)
+
+    return mask_mod
+
+
+def causal_mask_mod(offset: int | torch.Tensor = 0) -> MaskMod:
+    """``mask_mod`` of causal attention whose query ``q`` is at position ``q + offset`` (bottom-right aligned for a
+    chunk of queries after ``offset`` earlier keys)."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return q_idx + offset >= kv_idx
 
     return mask_mod
 
@@ -71,54 +106,60 @@ def _sorted_indices(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return num, idx.scatter_(-1, slot, j)[..., :num_blocks].contiguous()
 
 
-def block_mask_tensors(blocks: torch.Tensor, seq_len: int, block_size: int) -> tuple[torch.Tensor, ...]:
+def block_mask_tensors(blocks: torch.Tensor, seq_len: int, block_size: int, q_start: int = 0
+                       ) -> tuple[torch.Tensor, ...]:
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for ``BlockMask.from_kv_blocks``.
 
-    Blocks strictly below the diagonal are *full* (no ``mask_mod`` call); diagonal and tail blocks are partial.
+    Blocks strictly below the (shifted) diagonal are *full* (no ``mask_mod`` call); diagonal and tail blocks are
+    partial (`partial_blocks`).
     """
-    partial = partial_blocks(seq_len, block_size, blocks.device)
+    partial = partial_blocks(seq_len, block_size, blocks.device, q_start=q_start)
     num, idx = _sorted_indices(blocks & partial)
     full_num, full_idx = _sorted_indices(blocks & ~partial)
     return num, idx, full_num, full_idx
 
 
-def causal_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-    return q_idx >= kv_idx
-
-
-def make_block_mask(blocks: torch.Tensor, seq_len: int, block_size: int,
-                    tensors: tuple[torch.Tensor, ...] | None = None, table_mask_mod: bool = True) -> BlockMask:
+def make_block_mask(blocks: torch.Tensor, lengths: tuple[int, int], block_size: int, tensors: tuple[torch.Tensor, ...],
+                    table_mask_mod: bool = True, offset: int | torch.Tensor = 0) -> BlockMask:
     """Build the BlockMask of a block table ``[B, H, C_Q, C_B]`` (works eagerly and inside ``torch.compile``).
 
-    ``table_mask_mod=False`` gives the block-sparse kernel a plain causal ``mask_mod``: the kernel evaluates
-    ``mask_mod`` only inside listed partial blocks, where the table is True, so both compute the same function;
-    the causal one avoids a table gather per score (and a Triton codegen failure of torch 2.11 for gathers from
-    dynamically shaped tables). Eager flex evaluates ``mask_mod`` everywhere, so it needs the table.
+    ``lengths`` is ``(rows, keys)``: the kernel's query rows start at position ``offset`` (a multiple of 128; 0 for a
+    whole prompt), the keys at 0; ``offset`` may be a 0-d tensor (a compiled caller's: no guard on it). ``tensors``
+    are the table's `block_mask_tensors`.
+
+    ``table_mask_mod=False`` gives the block-sparse kernel a plain causal ``mask_mod`` (`causal_mask_mod`): the
+    kernel evaluates ``mask_mod`` only inside listed partial blocks, where the table is True, so both compute the
+    same function; the causal one avoids a table gather per score (and a Triton codegen failure of torch 2.11 for
+    gathers from dynamically shaped tables). Eager flex evaluates ``mask_mod`` everywhere, so it needs the table.
     """
-    if tensors is None:
-        tensors = block_mask_tensors(blocks, seq_len, block_size)
     num, idx, full_num, full_idx = tensors
     return BlockMask.from_kv_blocks(
         num, idx, full_num, full_idx,
         BLOCK_SIZE=(Q_BLOCK_SIZE, block_size),
-        mask_mod=block_table_mask_mod(blocks, block_size) if table_mask_mod else causal_mask_mod,
-        seq_lengths=(seq_len, seq_len),
+        mask_mod=block_table_mask_mod(blocks, block_size, offset) if table_mask_mod else causal_mask_mod(offset),
+        seq_lengths=lengths,
         compute_q_blocks=False,
     )
 
 
 @dataclass(repr=False)
 class SparsePlan:
-    """Attended key blocks per (batch, query head, query block of 128 tokens) for one layer.
+    """Attended key blocks per (batch, query head, query block of 128 tokens) for one layer, of a whole prompt or of
+    a chunk of it (design.md §1.7).
+
+    The queries are at positions ``q_start .. seq_len - 1`` and the keys at ``0 .. seq_len - 1``; the rows are the
+    query blocks of the grid from position 0 that hold the queries (`query_blocks`: a chunk that starts inside a
+    block has that block as its first row).
 
     Attributes:
         blocks: bool ``[B, Hq, C_Q, C_B]`` block table (own-segment causal blocks included).
-        seq_len: N.
+        seq_len: the key length (N for a whole prompt; ``q_start + M`` for a chunk of M queries).
         block_size: key block size L_B.
         dense: True when the layer runs plain causal attention (the table is then all causal blocks).
-        budgets: float32 ``[B, Hq, C_S]`` token budgets (None for dense layers).
+        budgets: float32 ``[B, Hq, C_S]`` token budgets of the segments holding the queries (None for dense layers).
         entropy: float32 ``[B, Hq, C_S]`` segment entropies (None for dense layers).
-        rigid: bool ``[B, Hq]`` rigid heads (None for dense layers).
+        rigid: bool ``[B, Hq]`` rigid heads, judged on those segments after the first (None for dense layers).
+        q_start: position of the first query (0: a whole prompt).
     """
 
     blocks: torch.Tensor
@@ -128,6 +169,7 @@ class SparsePlan:
     budgets: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     rigid: torch.Tensor | None = None
+    q_start: int = 0
 
     def __repr__(self) -> str:
         b, h, cq, cb = self.blocks.shape
@@ -137,32 +179,50 @@ class SparsePlan:
             kind = "density=? (meta tensors)"
         else:
             kind = f"density={self.density:.3f}"
-        return (f"SparsePlan(batch={b}, heads={h}, seq_len={self.seq_len}, q_blocks={cq}, kv_blocks={cb}, "
+        chunk = f"q_start={self.q_start}, " if self.q_start else ""
+        return (f"SparsePlan(batch={b}, heads={h}, {chunk}seq_len={self.seq_len}, q_blocks={cq}, kv_blocks={cb}, "
                 f"block_size={self.block_size}, {kind})")
 
     @property
+    def q_len(self) -> int:
+        """M, the number of queries (``seq_len - q_start``)."""
+        return self.seq_len - self.q_start
+
+    @property
+    def row_start(self) -> int:
+        """Position of the first row's first token: ``q_start`` rounded down to 128 (the kernel pads the queries
+        to it)."""
+        return self.q_start - self.q_start % Q_BLOCK_SIZE
+
+    @property
     def mask_mod(self) -> MaskMod:
-        return block_table_mask_mod(self.blocks, self.block_size)
+        """The table's ``mask_mod`` over the rows starting at `row_start`."""
+        return block_table_mask_mod(self.blocks, self.block_size, self.row_start)
 
     def to_block_mask(self) -> BlockMask:
-        """The plan as a BlockMask with one row per query head (Q block 128, KV block ``block_size``)."""
-        return make_block_mask(self.blocks, self.seq_len, self.block_size)
+        """The plan as a BlockMask with one row per query head (Q block 128, KV block ``block_size``), over
+        ``seq_len - row_start`` query rows (a chunk's queries after ``q_start % 128`` rows of padding) and
+        ``seq_len`` keys."""
+        tensors = block_mask_tensors(self.blocks, self.seq_len, self.block_size, self.q_start)
+        return make_block_mask(self.blocks, (self.seq_len - self.row_start, self.seq_len), self.block_size, tensors,
+                               offset=self.row_start)
 
     def to_dense_mask(self) -> torch.Tensor:
-        """bool ``[B, Hq, N, N]``, True where query i attends key j. Small N only (N x N memory)."""
-        n = self.seq_len
-        tok = self.blocks.repeat_interleave(Q_BLOCK_SIZE, dim=-2)[..., :n, :]
-        tok = tok.repeat_interleave(self.block_size, dim=-1)[..., :n]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.blocks.device).tril()
-        return tok & causal
+        """bool ``[B, Hq, M, seq_len]``, True where query i (position ``q_start + i``) attends key j. Small N only
+        (M x N memory)."""
+        device = self.blocks.device
+        positions = torch.arange(self.q_start, self.seq_len, device=device)
+        keys = torch.arange(self.seq_len, device=device)
+        tok = self.blocks[..., positions // Q_BLOCK_SIZE - self.q_start // Q_BLOCK_SIZE, :]
+        return tok[..., keys // self.block_size] & (positions[:, None] >= keys[None, :])
 
     @property
     def density(self) -> float:
-        """Computed blocks over causal blocks (1.0 for dense attention)."""
+        """Computed blocks over causal blocks of the queries (1.0 for dense attention)."""
         return float(self.density_tensor())
 
     def density_tensor(self) -> torch.Tensor:
         """`density` as a float32 0-d tensor on the plan's device (no wait on the device)."""
-        causal = causal_blocks(self.seq_len, self.block_size, self.blocks.device)
+        causal = causal_blocks(self.seq_len, self.block_size, self.blocks.device, q_start=self.q_start)
         total = causal.sum() * self.blocks.shape[0] * self.blocks.shape[1]
         return torch.where(total > 0, self.blocks.sum() / total.clamp(min=1), 1.0).float()

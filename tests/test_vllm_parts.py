@@ -257,3 +257,29 @@ def test_learned_layout_refuses_a_writer_that_loses_channels() -> None:
 
     with pytest.raises(RuntimeError, match="did not put a page.s .* key channels in distinct elements"):
         learn_page_layout(lossy, torch.zeros(2, HEADS, PAGE, 2 * DIM), HEADS, DIM)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# counters
+
+
+def test_counters_average_the_density_and_log_at_the_first_sparse_chunk(caplog: pytest.LogCaptureFixture,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexentropy.integrations.vllm import stats
+
+    counters = stats.Counters()
+    clock = [100.0]
+    monkeypatch.setattr(stats.time, "monotonic", lambda: clock[0])
+    with caplog.at_level("INFO", logger="vllm.flexentropy"):
+        counters.count_step(0, 2)                          # prompt chunks within the dense prefix: no line yet
+        assert not caplog.records
+        counters.count_step(1, 0)                          # the first sparse chunk: a line
+        for density in (0.25, None, 0.75):
+            counters.count_layer(None if density is None else torch.tensor(density))
+        counters.count_step(1, 1)                          # within the interval: no line
+        clock[0] += stats.LOG_EVERY_S
+        counters.count_step(0, 0)                          # the interval is over and the counters moved: a line
+        counters.count_step(0, 0)                          # nothing moved since: no line
+    assert len(caplog.records) == 2
+    assert "2 prompt chunks sparse, 3 dense" in caplog.records[-1].getMessage()
+    assert counters.snapshot() == stats.PrefillStats(2, 3, 2, 1, 0.5)

@@ -59,14 +59,17 @@ class Counters:
     def reset(self) -> None:
         self.sparse_chunks = self.dense_chunks = self.sparse_layers = self.dense_layers = 0
         self.density_sum: torch.Tensor | None = None
-        self.logged_at = time.monotonic()
+        self.logged_at: float | None = None
+        self.logged_chunks = 0
 
     def count_step(self, sparse_chunks: int, dense_chunks: int) -> None:
-        """One step's prompt chunks, by path."""
+        """One step's prompt chunks, by path; logs the counters at the first sparse chunk, then at most every
+        `LOG_EVERY_S` seconds when they moved (the line covers the steps before this one)."""
         self.sparse_chunks += sparse_chunks
         self.dense_chunks += dense_chunks
-        if sparse_chunks and time.monotonic() - self.logged_at >= LOG_EVERY_S:
-            self.logged_at = time.monotonic()
+        now = time.monotonic()
+        if self.sparse_chunks > self.logged_chunks and (self.logged_at is None or now - self.logged_at >= LOG_EVERY_S):
+            self.logged_at, self.logged_chunks = now, self.sparse_chunks
             self.log()
 
     def count_layer(self, density: torch.Tensor | None) -> None:

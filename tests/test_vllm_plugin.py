@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,22 @@ def in_process() -> Iterator[None]:
         yield
 
 
-def run(model: Path, prompts: list[Any], *, plugin: bool, config: dict[str, Any] | None = None,
-        new_tokens: int = 8, **options: Any) -> tuple[list[tuple[list[int], list[float]]], PrefillStats]:
-    """Greedy tokens and their log-probabilities for ``prompts``, and the plugin's counters, from a ``vllm.LLM`` on
-    ``model`` with the plugin's backend (``config`` as its ``additional_config`` entry) or vLLM's own ``CPU_ATTN``;
-    chunked prefill by `CHUNK` tokens unless ``options`` say otherwise. The engine is gone when this returns (a
-    second one in the process needs the first one's parallel state torn down)."""
+@dataclass(frozen=True)
+class Answer:
+    """One prompt's greedy tokens, their log-probabilities, and its prompt tokens vLLM found in its prefix cache."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cached_tokens: int
+
+
+def run(model: Path, *batches: list[Any], plugin: bool, config: dict[str, Any] | None = None, new_tokens: int = 8,
+        **options: Any) -> tuple[list[Answer], PrefillStats]:
+    """The `Answer` of each prompt of ``batches`` (generated one batch after the other, so that a later batch can
+    find an earlier one's prompts in vLLM's prefix cache) and the plugin's counters, from a ``vllm.LLM`` on ``model``
+    with the plugin's backend (``config`` as its ``additional_config`` entry) or vLLM's own ``CPU_ATTN``; chunked
+    prefill by `CHUNK` tokens unless ``options`` say otherwise. The engine is gone when this returns (a second one in
+    the process needs the first one's parallel state torn down)."""
     from vllm import LLM, SamplingParams
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -87,9 +98,10 @@ def run(model: Path, prompts: list[Any], *, plugin: bool, config: dict[str, Any]
     llm = LLM(model=str(model), **settings)
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, logprobs=0, detokenize=False)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        return ([(list(o.outputs[0].token_ids), [next(iter(step.values())).logprob for step in o.outputs[0].logprobs])
-                 for o in outputs], prefill_stats())
+        outputs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+        return ([Answer(list(o.outputs[0].token_ids),
+                        [next(iter(step.values())).logprob for step in o.outputs[0].logprobs],
+                        o.num_cached_tokens or 0) for o in outputs], prefill_stats())
     finally:
         del llm
         gc.collect()
@@ -119,17 +131,31 @@ def token_prompts(*lengths: int) -> list[Any]:
 MIXED = (1500, 300, 900)
 """Prompt lengths that make mixed steps: the 300-token prompt decodes while the others still arrive in chunks."""
 
+CACHED = 1200
+"""Tokens of the 1500-token prompt that a later prompt repeats: vLLM's prefix cache holds them (whole pages), and the
+later prompt's first chunk starts there."""
+
+
+def tiny_batches() -> tuple[list[Any], list[Any]]:
+    """`MIXED`, then a prompt of the first one's `CACHED` tokens and 400 new ones."""
+    from vllm.inputs import TokensPrompt
+
+    first = token_prompts(*MIXED)
+    rng = random.Random(1)
+    again = first[0]["prompt_token_ids"][:CACHED] + [rng.randrange(3, 512) for _ in range(400)]
+    return first, [TokensPrompt(prompt_token_ids=again)]
+
 
 @pytest.fixture(scope="module")
-def vllm_own(in_process: None, tiny_llama: Path) -> list[tuple[list[int], list[float]]]:
-    return run(tiny_llama, token_prompts(*MIXED), plugin=False, skip_tokenizer_init=True)[0]
+def vllm_own(in_process: None, tiny_llama: Path) -> list[Answer]:
+    return run(tiny_llama, *tiny_batches(), plugin=False, skip_tokenizer_init=True)[0]
 
 
-def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[tuple[list[int], list[float]]], tiny_llama: Path,
+def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[Answer], tiny_llama: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Coverage 1.0 keeps every key block: the sparse kernel computes dense attention, so the greedy tokens and their
     log-probabilities are vLLM's own, through mixed steps whose decode rows lead the step and steps where they sit
-    between prompt chunks."""
+    between prompt chunks, and for a prompt whose first `CACHED` tokens come from vLLM's prefix cache."""
     from flexentropy.integrations.vllm import backends
 
     leading: list[bool] = []
@@ -142,11 +168,12 @@ def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[tuple[list[int]
 
     backends_dense_metadata = backends.dense_metadata
     monkeypatch.setattr(backends, "dense_metadata", spy)
-    got, stats = run(tiny_llama, token_prompts(*MIXED), plugin=True, config={"coverage": 1.0, "dense_prefix": 512},
+    got, stats = run(tiny_llama, *tiny_batches(), plugin=True, config={"coverage": 1.0, "dense_prefix": 512},
                      skip_tokenizer_init=True)
-    for (tokens, logprobs), (own_tokens, own_logprobs) in zip(got, vllm_own, strict=True):
-        assert tokens == own_tokens
-        assert logprobs == pytest.approx(own_logprobs, abs=1e-4)
+    for answer, own in zip(got, vllm_own, strict=True):
+        assert answer.tokens == own.tokens
+        assert answer.logprobs == pytest.approx(own.logprobs, abs=1e-4)
+    assert 512 < got[-1].cached_tokens <= CACHED, got[-1]   # whole pages: its chunks start past dense_prefix
     assert stats.sparse_chunks > 0 and stats.sparse_layers > 0, stats
     assert stats.mean_density == pytest.approx(1.0), stats
     assert set(leading) == {True, False}, leading
@@ -156,9 +183,9 @@ def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_
     """The defaults (``dense_prefix`` lowered to 512) on one 3072-token prompt arriving in chunks of 512: the first
     chunk (keys up to 512) runs vLLM's kernel, the five after it the sparse prefill, in every layer but the dense
     layer 0, at a density below 1."""
-    [(tokens, _)], stats = run(tiny_llama, token_prompts(3072), plugin=True, config={"dense_prefix": 512},
-                               new_tokens=4, skip_tokenizer_init=True, max_num_batched_tokens=512, max_num_seqs=1)
-    assert len(tokens) == 4
+    [answer], stats = run(tiny_llama, token_prompts(3072), plugin=True, config={"dense_prefix": 512}, new_tokens=4,
+                          skip_tokenizer_init=True, max_num_batched_tokens=512, max_num_seqs=1)
+    assert len(answer.tokens) == 4
     assert (stats.sparse_chunks, stats.dense_chunks) == (5, 1), stats
     assert (stats.sparse_layers, stats.dense_layers) == (5 * 2, 5 * 1), stats
     assert 0 < stats.mean_density < 1, stats
@@ -196,6 +223,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CONFIG = {"segment_size": 256, "block_size": 64, "dense_prefix": 512}
 """The ``flexentropy`` command's geometry for ~2k-token prompts (flexentropy/cli/needle_demo.py)."""
 
+SMOLLM2_CHUNK = 1024
+"""``max_num_batched_tokens`` of the SmolLM2 engine: four segments per chunk."""
+
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
@@ -215,25 +245,19 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return folder, tokenizer
 
 
-def test_smollm2_finds_the_needle_like_vllm(in_process: None, smollm2: tuple[Path, Any]) -> None:
-    """The ``flexentropy`` command's needle (a 7-digit number in 2k tokens of Paul Graham's essays), answered
-    greedily through ``vllm.LLM`` in chunks of 1024: vLLM's own backend and the plugin (both chunks sparse, past the
-    512-token dense prefix) both find it, and their answers agree up to it."""
+def test_smollm2_finds_the_needle(in_process: None, smollm2: tuple[Path, Any]) -> None:
+    """The ``flexentropy`` command's needle (a 7-digit number in 2k tokens of Paul Graham's essays, its geometry),
+    answered greedily through ``vllm.LLM`` with the plugin: the prompt arrives in two chunks of `SMOLLM2_CHUNK`
+    tokens, both past ``dense_prefix`` and both sparse (a chunk of one segment would be all dense: its last
+    ``segment_size`` tokens are), and the answer holds the needle."""
     from bench.data import load_essays, number_needle, prompt_ids
 
     folder, tokenizer = smollm2
     needle = number_needle(seed=5)
     ids = prompt_ids(tokenizer, load_essays(), needle.question, needle=needle, depth=0.5, context_tokens=2048)
-    answers, stats = [], None
-    for plugin in (False, True):
-        [(tokens, _)], stats = run(folder, [{"prompt_token_ids": ids}], plugin=plugin,
-                                   config=SMOLLM2_CONFIG if plugin else None, new_tokens=20,
-                                   max_num_batched_tokens=1024)
-        answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
-    own, flexentropy = answers
-    print(f"\nvLLM: {own!r}\nflexentropy: {flexentropy!r}\n{stats}")
-    assert needle.found_in(own), f"vLLM's own backend missed {needle.answer}: {own!r}"
-    assert needle.found_in(flexentropy), f"the plugin missed {needle.answer} ({stats}): {flexentropy!r}"
-    assert (stats.sparse_chunks, stats.dense_chunks) == (2, 0) and stats.mean_density < 0.9, stats
-    prefix = own[: own.index(needle.answer) + len(needle.answer)]
-    assert flexentropy.startswith(prefix), (own, flexentropy)
+    [result], stats = run(folder, [{"prompt_token_ids": ids}], plugin=True, config=SMOLLM2_CONFIG, new_tokens=20,
+                          max_num_batched_tokens=SMOLLM2_CHUNK, max_num_seqs=1)
+    answer = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    assert needle.found_in(answer), f"the plugin missed {needle.answer} ({stats}): {answer!r}"
+    assert (stats.sparse_chunks, stats.dense_chunks) == (2, 0), stats
+    assert stats.mean_density is not None and stats.mean_density < 0.9, stats

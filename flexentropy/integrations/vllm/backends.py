@@ -3,13 +3,13 @@
 
 ``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are made on first access from the class
 vLLM ships under that name (the enum's default path, never an override), so this module imports only what the
-running platform uses. Each keeps its parent's name, KV-cache layout, supported shapes and CUDA-graph support and
-changes two things:
+running platform uses. Each keeps its parent's name, KV-cache layout, supported shapes and CUDA-graph support (at
+most uniform batches) and changes two things:
 
 - its metadata builder (`SparsePrefillBuilder`) routes each step on the host (`routing.route`): a step without a
-  long prompt chunk gets the parent's metadata exactly as the parent builds it (decode steps: the parent's kernel and
-  its CUDA graphs, untouched); a step with some gets a `SparseStep`: the parent's metadata for the other requests
-  and the list of chunks;
+  long prompt chunk gets the parent's metadata exactly as the parent builds it (a step of decode rows only goes to
+  the parent before anything is read: the parent's kernel and its CUDA graphs, untouched); a step with some gets a
+  `SparseStep`: the parent's metadata for the other requests and the list of chunks;
 - its implementation (`SparsePrefillImpl`) runs a `SparseStep`: the parent's kernel on the other requests' rows,
   then, for each chunk, the request's keys and values of positions ``0 .. end`` gathered from the paged cache (this
   step's are written before attention runs) and `flexentropy.sparse_prefill_attention` with ``q_start``.
@@ -89,6 +89,8 @@ class SparsePrefillBuilder:
               **kwargs: Any) -> Any:
         parent = super().build  # type: ignore[misc]
         metadata = common_attn_metadata
+        if metadata.max_query_len <= self.decode_query_len:   # decode rows only: the engine's step, nothing read
+            return parent(common_prefix_len, metadata, fast_build, **kwargs)
         reason = unsupported_step(metadata)
         if reason is not None:
             notice_once("%s run vLLM's kernel (dense prefill)", reason)

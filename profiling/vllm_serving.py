@@ -51,6 +51,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -579,6 +580,22 @@ def side_environment(side: str, device: str, work: Path) -> dict[str, str]:
     return env
 
 
+def run_process_group(command: list[str], env: dict[str, str]) -> int:
+    """Run ``command`` in a process group of its own and return its exit code; if this process is stopped meanwhile
+    (SIGTERM, e.g. from ``timeout``, or Ctrl-C), the whole group goes with it: the job, vLLM's engine and worker
+    processes, a server, none left holding the GPU."""
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return process.wait()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
 def jobs(args: argparse.Namespace) -> Iterator[Job]:
     shared = {k: v for k, v in vars(args).items() if k not in ("job", "parts", "sides")}
     for part in args.parts:
@@ -665,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, name, value)
     if args.model is None and not args.tiny and {"quality32k", "quality128k", "serve"} & set(args.parts):
         p.error("--model is needed by the quality and serve parts (e.g. the Qwen2.5-Coder-1.5B GGUF)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # run_process_group's cleanup runs
     args.out, args.work = str(args.out.resolve()), str(args.work.resolve())
     Path(args.work).mkdir(parents=True, exist_ok=True)
     failed = []
@@ -673,8 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"== {job.part} / {job.side}", flush=True)
         command = [sys.executable, __file__, "--job", json.dumps(dataclasses.asdict(job))]
-        code = subprocess.run(command, env=side_environment(job.side, args.device, Path(args.work)),
-                              check=False).returncode
+        code = run_process_group(command, side_environment(job.side, args.device, Path(args.work)))
         missing = [n for n in job_names(job) if (job.part, job.side, n) not in done_keys(Path(args.out))]
         if code or missing:
             failed.append(f"{job.part}/{job.side} (exit {code}, {len(missing)} measurements missing or failed)")

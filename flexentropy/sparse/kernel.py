@@ -97,7 +97,8 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
                      tensors: tuple[torch.Tensor, ...], block_size: int, scale: float | None,
-                     options: dict[str, object] | None, table_mask_mod: bool, offset: torch.Tensor) -> torch.Tensor:
+                     options: dict[str, object] | None, table_mask_mod: bool,
+                     offset: int | torch.Tensor) -> torch.Tensor:
     block_mask = make_block_mask(blocks, (q.shape[-2], k.shape[-2]), block_size, tensors, table_mask_mod, offset)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
@@ -118,6 +119,17 @@ def kernel_rows(plan: SparsePlan) -> tuple[int, torch.Tensor]:
     return plan.row_start - Q_BLOCK_SIZE, torch.cat([empty, plan.blocks], dim=-2)
 
 
+def kernel_offset(start: int, device: torch.device) -> int | torch.Tensor:
+    """The position of the kernel's first row as its ``mask_mod`` reads it: a 0-d int32 tensor on the device (filled:
+    no host copy, no sync), so that a new offset is no guard on the compiled kernel. Inside an outer
+    ``torch.compile`` the int itself: the outer graph decides what is dynamic, and torch's CPU flex template takes no
+    tensor made inside the graph nor a captured scalar (its lowering fails), so a whole prompt's offset of 0 must
+    leave the ``mask_mod`` capturing nothing (`causal_mask_mod`)."""
+    if torch.compiler.is_compiling():
+        return start
+    return torch.full((), start, dtype=torch.int32, device=device)
+
+
 def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan, *, scale: float | None = None,
              compiled: bool = True, backend: str = "auto") -> torch.Tensor:
     """Attention of the queries ``q [B, Hq, M, D]`` (positions ``plan.q_start ..``) over ``k``/``v [B, Hkv,
@@ -136,7 +148,7 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     start, blocks = kernel_rows(plan)
     pad = plan.q_start - start
     rows = pad_rows(q, pad)                                                      # [B, Hq, pad + M, D]
-    offset = torch.full((), start, dtype=torch.int32, device=q.device)          # a fill: no host copy, no sync
+    offset = kernel_offset(start, q.device)
     tensors = block_mask_tensors(blocks, plan.seq_len, plan.block_size, start)
     if not compiled:
         return _flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, None, True, offset)[..., pad:, :]

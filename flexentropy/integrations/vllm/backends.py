@@ -1,0 +1,214 @@
+"""The attention backends the plugin registers: each is vLLM's own backend of that name, subclassed (docs/design.md
+§7).
+
+``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are made on first access from the class
+vLLM ships under that name (the enum's default path, never an override), so this module imports only what the
+running platform uses. Each keeps its parent's name, KV-cache layout, supported shapes and CUDA-graph support (at
+most uniform batches) and changes two things:
+
+- its metadata builder (`SparsePrefillBuilder`) routes each step on the host (`routing.route`): a step without a
+  long prompt chunk gets the parent's metadata exactly as the parent builds it (a step of decode rows only goes to
+  the parent before anything is read: the parent's kernel and its CUDA graphs, untouched); a step with some gets a
+  `SparseStep`: the parent's metadata for the other requests and the list of chunks;
+- its implementation (`SparsePrefillImpl`) runs a `SparseStep`: the parent's kernel on the other requests' rows,
+  then, for each chunk, the request's keys and values of positions ``0 .. end`` gathered from the paged cache (this
+  step's are written before attention runs) and `flexentropy.sparse_prefill_attention` with ``q_start``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from flexentropy.integrations.vllm.paged import (
+    PageLayout,
+    flash_pages,
+    gather_indexed,
+    gather_pages,
+    learn_page_layout,
+)
+from flexentropy.integrations.vllm.plugin import EXTENDED_BACKENDS
+from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
+from flexentropy.integrations.vllm.settings import check_layer, plugin_config
+from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
+from flexentropy.prefill.selection import select_blocks
+from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+
+
+@dataclass(frozen=True)
+class SparseStep:
+    """A step's attention metadata when it holds long prompt chunks (`SparsePrefillBuilder.build`).
+
+    Attributes:
+        dense: the parent backend's metadata of the other requests (None when there are none).
+        dense_rows: their query rows in the step: a leading slice, or an int64 index on the step's device.
+        chunks: the long prompt chunks.
+        block_table: int ``[R, max_pages]``, the step's block table (row ``chunk.request`` is the chunk's pages).
+    """
+
+    dense: Any
+    dense_rows: slice | torch.Tensor
+    chunks: tuple[Chunk, ...]
+    block_table: torch.Tensor
+
+
+def decode_query_len(vllm_config: Any) -> int:
+    """The most query tokens a decode row holds: 1, plus the speculative tokens verified per step."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return 1 + (getattr(speculative, "num_speculative_tokens", None) or 0)
+
+
+class SparsePrefillBuilder:
+    """Mixed into the parent backend's metadata builder (before it): routes each step (module docstring)."""
+
+    supports_update_block_table = False
+    """A `SparseStep` is built whole each step (vLLM would otherwise patch a cached metadata's block table)."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """The parent's support, at most uniform batches: a step with a prompt chunk is never captured whole."""
+        parent = super().get_cudagraph_support(vllm_config, kv_cache_spec)  # type: ignore[misc]
+        return min(parent, AttentionCGSupport.UNIFORM_BATCH, key=lambda support: support.value)
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device,
+                 *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
+        self.flexentropy = plugin_config(vllm_config.additional_config)
+        self.decode_query_len = decode_query_len(vllm_config)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False,
+              **kwargs: Any) -> Any:
+        parent = super().build  # type: ignore[misc]
+        metadata = common_attn_metadata
+        if metadata.max_query_len <= self.decode_query_len:   # decode rows only: the engine's step, nothing read
+            return parent(common_prefix_len, metadata, fast_build, **kwargs)
+        reason = unsupported_step(metadata)
+        if reason is not None:
+            notice_once("%s run vLLM's kernel (dense prefill)", reason)
+            return parent(common_prefix_len, metadata, fast_build, **kwargs)
+        routing = route(metadata.query_start_loc_cpu[: metadata.num_reqs + 1],
+                        metadata.seq_lens_cpu_upper_bound[: metadata.num_reqs], self.flexentropy,
+                        self.decode_query_len)
+        COUNTERS.count_step(len(routing.chunks), routing.dense_prompt_chunks)
+        if not routing.chunks:
+            return parent(common_prefix_len, metadata, fast_build, **kwargs)
+        dense = dense_metadata(metadata, routing)
+        if dense is None:
+            return SparseStep(None, slice(0, 0), routing.chunks, metadata.block_table_tensor)
+        # no cascade over the sub-batch: a prefix common to the step is common to it, but 0 is always right
+        return SparseStep(parent(0, dense[0], fast_build, **kwargs), dense[1], routing.chunks,
+                          metadata.block_table_tensor)
+
+
+@functools.cache
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer's name (``model.layers.7.self_attn.attn`` -> 7)."""
+    return extract_layer_index(layer_name)
+
+
+LAYER_ARGUMENTS = {"alibi_slopes": None, "sliding_window": None, "logits_soft_cap": None, "kv_cache_dtype": "auto",
+                   "attn_type": "decoder", "sinks": None}
+"""Arguments of vLLM's ``AttentionImpl`` constructors that `check_layer` reads, with their defaults."""
+
+
+def call_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``function``'s arguments by name for a call with ``args`` and ``kwargs`` (those caught by ``**`` included)."""
+    signature = inspect.signature(function)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(parameter.name, {}))
+    return arguments
+
+
+class SparsePrefillImpl:
+    """Mixed into the parent backend's attention implementation (before it): runs a `SparseStep` (module docstring).
+
+    Validated when vLLM builds the layer (start-up): the plugin's configuration (`plugin_config`) and the layer's
+    attention function (`check_layer`).
+    """
+
+    backend_name: str
+    """The parent backend's name; set on each subclass."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        arguments = call_arguments(super().__init__, args, kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        check_layer(**{name: arguments.get(name, default) for name, default in LAYER_ARGUMENTS.items()})
+        self.flexentropy = plugin_config(get_current_vllm_config().additional_config)
+        self.page_layout: PageLayout | None = None
+        notice_once("sparse prefill on vLLM's %s backend: prompt chunks whose keys reach past dense_prefix=%d tokens "
+                    "run sparse (%s)", self.backend_name, self.flexentropy.dense_prefix, self.flexentropy)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        """vLLM's attention call: ``query [T, Hq, D]``, ``output [T, Hq, D]`` written in place and returned."""
+        parent = super().forward  # type: ignore[misc]
+        if not isinstance(attn_metadata, SparseStep):
+            return parent(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = attn_metadata
+        if step.dense is not None:
+            if isinstance(step.dense_rows, slice):
+                parent(layer, query, key, value, kv_cache, step.dense, output, *args, **kwargs)
+            else:
+                rows = step.dense_rows
+                part = output.new_empty((rows.numel(), *output.shape[1:]))
+                parent(layer, query[rows], key[rows], value[rows], kv_cache, step.dense, part, *args, **kwargs)
+                output.index_copy_(0, rows, part)
+        layer_idx = layer_index(layer.layer_name)
+        for chunk in step.chunks:
+            q = query[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            k, v = self.read_cache(layer, kv_cache, step.block_table[chunk.request], chunk.key_length)
+            plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
+            out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
+                                           scale=self.scale)  # type: ignore[attr-defined]
+            output[chunk.start:chunk.end] = out[0].transpose(0, 1)
+            COUNTERS.count_layer(None if plan.dense else plan.density_tensor())
+        return output
+
+    def read_cache(self, layer: Any, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                   length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of positions ``0 .. length - 1`` of the request whose pages ``page_table`` lists,
+        each ``[1, Hkv, length, D]``: through views of ``FLASH_ATTN``'s known layout, else through the layout learned
+        (once per layer) from the parent's own cache writer (`paged.learn_page_layout`)."""
+        head_size = self.head_size  # type: ignore[attr-defined]
+        if self.backend_name == "FLASH_ATTN":
+            keys, values = flash_pages(kv_cache, head_size)
+            return gather_pages(keys, page_table, length), gather_pages(values, page_table, length)
+        if self.page_layout is None:
+            def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+                self.do_kv_cache_update(layer, key, value, cache, slots)  # type: ignore[attr-defined]
+
+            self.page_layout = learn_page_layout(write, kv_cache, self.num_kv_heads, head_size)  # type: ignore[attr-defined]
+        layout = self.page_layout
+        return (gather_indexed(kv_cache, layout.keys, page_table, length),
+                gather_indexed(kv_cache, layout.values, page_table, length))
+
+
+def sparse_backend(name: str) -> type:
+    """vLLM's backend ``name`` (one of `EXTENDED_BACKENDS`) with `SparsePrefillBuilder` and `SparsePrefillImpl`."""
+    parent = resolve_obj_by_qualname(AttentionBackendEnum[name].value)
+    impl = type(f"{name}.Impl", (SparsePrefillImpl, parent.get_impl_cls()),
+                {"backend_name": name, "__module__": __name__})
+    builder = type(f"{name}.Builder", (SparsePrefillBuilder, parent.get_builder_cls()), {"__module__": __name__})
+    return type(name, (parent,), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"vLLM's {name} backend with flexentropy's sparse prefill of long prompt chunks.",
+        "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
+
+
+@functools.cache
+def __getattr__(name: str) -> type:
+    if name in EXTENDED_BACKENDS:
+        return sparse_backend(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

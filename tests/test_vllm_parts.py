@@ -39,7 +39,6 @@ def test_config_defaults_and_fields() -> None:
     ({"dense_prefx": 1}, ValueError, "unknown field(s) ['dense_prefx']"),
     ({"decode_budget": 512}, ValueError, "KV-cache eviction"),
     ({"prefill": "flexprefill"}, ValueError, "prefill='flexprefill' is not supported"),
-    ({"budget_rule": "fluctuation"}, ValueError, "budget_rule='coverage'"),
     ({"block_size": 96}, ValueError, "additional_config['flexentropy']: EntropyConfig.block_size must be 64 or 128"),
     ({"coverage": "high"}, TypeError, "coverage"),
     ([1, 2], TypeError, "must be a mapping of EntropyConfig fields"),

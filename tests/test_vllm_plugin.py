@@ -194,7 +194,7 @@ def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_
 
 @pytest.mark.parametrize(("config", "says"), [
     ({"dense_prefx": 512}, "unknown field(s) ['dense_prefx']"),
-    ({"budget_rule": "fluctuation"}, "budget_rule='coverage'"),
+    ({"prefill": "xattention"}, "prefill='xattention' is not supported"),
 ])
 def test_bad_configuration_fails_at_start_up(in_process: None, tiny_llama: Path, config: dict[str, Any],
                                              says: str) -> None:

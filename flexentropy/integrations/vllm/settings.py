@@ -40,9 +40,8 @@ def plugin_config(additional_config: object) -> EntropyConfig:
 
     Raises:
         TypeError, ValueError: an entry that is not a mapping of `EntropyConfig` prefill fields, a value
-            `EntropyConfig` refuses, a decode knob, a prefill policy other than ``"entropy"``, or
-            ``budget_rule="fluctuation"`` (whose budgets recur over a whole prompt's segments, which a chunk of a
-            prompt does not hold). The message names the entry and what to write instead.
+            `EntropyConfig` refuses, a decode knob, or a prefill policy other than ``"entropy"``. The message names
+            the entry and what to write instead.
     """
     entry: Any = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
     if entry is None:
@@ -71,9 +70,6 @@ def plugin_config(additional_config: object) -> EntropyConfig:
         config = EntropyConfig(**values)
     except (TypeError, ValueError) as err:
         raise type(err)(f"{where}: {err}") from None
-    if config.budget_rule == "fluctuation":
-        raise ValueError(f"{where}: budget_rule='fluctuation' cannot run under chunked prefill (its budgets recur "
-                         "over all of a prompt's segments, a chunk holds some of them); use budget_rule='coverage'")
     return config
 
 

@@ -72,6 +72,10 @@ TTFT_PARTS = ("ttft", "ttft512")
 NEW_TOKENS = {"rpm256": 256, "rpm2048": 2048}
 QUALITY_LENGTHS = {"quality32k": 32768, "quality128k": 131072}
 TINY_QUALITY_LENGTH = 2048
+ANSWER_ROOM = 64
+"""Positions kept free for the answer: a quality or serve prompt of ``length`` takes ``length - ANSWER_ROOM`` tokens.
+vLLM's rotary table ends at the model's (YaRN-scaled) context, and a position past it fails a device assert in the
+rotary lookup (seen on the GPU with a 131,072-token prompt under YaRN 4), so prompt and answer must fit in it."""
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 PLUGIN = "flexentropy"
 """The plugin's entry-point name (pyproject: ``vllm.general_plugins``)."""
@@ -403,13 +407,16 @@ def run_quality(job: Job, rec: Recorder) -> None:
     if not todo:
         return
     folder, tokenizer = model_folder(job)
-    samples = {key: make_sample(key[0], length, key[1], tokenizer) for key in todo}
+    samples = {key: make_sample(key[0], length - ANSWER_ROOM, key[1], tokenizer) for key in todo}
     prompts = {key: sample_ids(tokenizer, sample) for key, sample in samples.items()}
     longest = max(len(prompts[key]) + samples[key].max_new_tokens for key in todo)
+    if longest > length:
+        raise ValueError(f"a {job.part} prompt and its answer take {longest} positions, past {length}: "
+                         "raise ANSWER_ROOM")
     state: dict[str, Any] = {}
 
     def start() -> None:
-        state["llm"] = make_llm(job, folder, longest + 16, hf_overrides=rope_overrides(folder, length, a.yarn))
+        state["llm"] = make_llm(job, folder, length, hf_overrides=rope_overrides(folder, length, a.yarn))
 
     if not rec.attempt([f"{t}_{length}_{i}" for t, i in todo], start):
         return
@@ -500,9 +507,9 @@ def run_serve(job: Job, rec: Recorder) -> None:
         folder, tokenizer = model_folder(job)
         needle = number_needle(seed=7)
         ids = prompt_ids(tokenizer, load_essays(), needle.question, needle=needle, depth=0.5,
-                         context_tokens=a.serve_length)
+                         context_tokens=a.serve_length - ANSWER_ROOM)
         port = free_port()
-        command = serve_command(job, folder, len(ids) + 64, port)
+        command = serve_command(job, folder, a.serve_length, port)
         log_path = Path(a.work) / f"serve_{job.side}.log"
         with log_path.open("w", encoding="utf-8") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -572,7 +579,6 @@ def side_environment(side: str, device: str, work: Path) -> dict[str, str]:
     env = os.environ | {
         "VLLM_PLUGINS": ",".join(sorted(plugins)),
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",    # collective_rpc sends this script's functions to the worker
-        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",        # a prompt of the model's whole context plus its answer
         "PYTHONPATH": os.pathsep.join(filter(None, paths)),
     }
     if device == "cpu":

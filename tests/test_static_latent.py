@@ -504,6 +504,82 @@ def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
     assert {buffer.data_ptr() for buffer in (*cache.prompt.keys, *cache.prompt.values)} == addresses
 
 
+def held_storages(root: object) -> dict[int, int]:
+    """Every tensor storage reachable from ``root`` through flexentropy's objects, lists, tuples and dicts: its
+    address -> its bytes (views of one storage counted once)."""
+    held: dict[int, int] = {}
+    seen: set[int] = set()
+    pending = [root]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif type(item).__module__.startswith("flexentropy") and hasattr(item, "__dict__"):
+            pending.extend(vars(item).values())
+    return held
+
+
+def windows_bytes(cache: StaticLatentKVCache) -> int:
+    """Bytes of the query windows, the layers' and the static phase's."""
+    windows = [layer.window for layer in cache.layers if layer.window is not None] + list(cache.static.window)
+    return sum(window.untyped_storage().nbytes() for window in windows)
+
+
+def test_a_prompt_is_held_once_in_the_prompt_buffers() -> None:
+    """With ``max_prompt_length`` a prompt's keys and values are written straight into the prompt buffers, which the
+    layers read as views, in the first request (the buffers made at its first update) as in the next ones: after the
+    prompt's forward the cache holds the buffers and the query windows, and no second copy of the prompt (each layer
+    kept one of its own beside the buffers before: 16 GiB more at 128k on an 8B model). So does it at every step
+    through phase 1 and a later turn during phase 1 (the layers get views of the buffers and append in place), up
+    to the first eviction: nothing is held but the buffers, the query windows and the step's counters."""
+    config = EVICTING.replace(decode_delay=6)
+    cache = StaticLatentKVCache(config, num_layers=3, max_prompt_length=400)
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(length: int) -> None:
+        begin_step(cache, length)
+        assert extra() == 0, "a copy of the prompt's KV held beside the prompt buffers"
+        for layer_idx in range(3):
+            query = torch.randn(1, 4, length, 16, generator=gen)
+            cache.observe_queries(query, layer_idx)
+            cache.update(torch.randn(1, 2, length, 16, generator=gen), torch.randn(1, 2, length, 16, generator=gen),
+                         layer_idx)
+            if length == 1:
+                cache.attend(query, layer_idx)
+        end_step(cache, length)
+
+    def extra() -> int:
+        """Bytes held beyond the buffers, the query windows and the step's counters."""
+        counters = cache.static.counters
+        counters = sum(t.untyped_storage().nbytes() for t in (*counters.device.values(), counters.row_index))
+        buffers = cache.prompt.nbytes() + cache.main.nbytes()
+        return sum(held_storages(cache).values()) - buffers - windows_bytes(cache) - counters
+
+    for request in range(2):
+        cache.reset()
+        forward(300)
+        assert cache.stage is None and extra() == 0, f"request {request}: the prompt's KV held twice"
+        keys = cache.layers[1].keys
+        assert keys.untyped_storage().data_ptr() == cache.prompt.keys[1].data_ptr() and keys.shape[2] == 300
+        forward(1)
+        assert cache.stage is cache.prompt and extra() == 0
+    forward(1)
+    forward(3)   # a later turn inside phase 1: the layers get views of the buffers and append in place
+    assert cache.stage is None and cache.layers[0].stored == 305 and extra() == 0
+    assert cache.layers[2].keys.untyped_storage().data_ptr() == cache.prompt.keys[2].data_ptr()
+    while not cache.is_static:
+        forward(1)
+    assert cache.evictions == 1
+
+
 def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
     """With ``decode_delay=0`` and a budget above what a request holds, the cache switches to its buffers at the
     first step and never evicts: the tokens of a full ``DynamicCache`` (the dense decode baseline of

@@ -233,18 +233,28 @@ class PolicyLayer(CacheLayerMixin):
         self.settle()
         return result
 
+    def lend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold the next appends in ``keys [B, Hkv, C, D]`` and ``values [B, Hkv, C, Dv]``, buffers another object
+        owns (a `StaticLatentKVCache`'s prompt buffers), instead of buffers of the layer's own: with a `reserve`, an
+        append that fits them writes the entries to their front (design.md §2: a prompt's KV held once). An append
+        that does not fit, or a layer without a reserve, allocates as before."""
+        self._spare = {"keys": keys, "values": values}
+
     def _append(self, name: str, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer, and the next
-        append writes into its free slots in place when ``stored`` is still that front (no eviction in between)."""
+        """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer (one of the
+        layer's own, or one `lend` gave it), and the next append writes into its free slots in place; ``stored`` is
+        copied to the buffer's front only when it is not there already (after an eviction, or into a lent buffer)."""
         if not self.reserve:
             return torch.cat([stored, new], dim=-2)
         used, total = stored.shape[-2], stored.shape[-2] + new.shape[-2]
         buffer = self._spare.get(name)
-        if (buffer is None or total > buffer.shape[-2] or stored.data_ptr() != buffer.data_ptr()
-                or stored.stride() != buffer.stride() or stored.shape[:2] != buffer.shape[:2]):
+        if (buffer is None or total > buffer.shape[-2] or stored.shape[:2] != buffer.shape[:2]
+                or stored.shape[-1] != buffer.shape[-1] or stored.dtype != buffer.dtype
+                or stored.device != buffer.device):
             buffer = stored.new_empty(*stored.shape[:2], total + self.reserve, stored.shape[-1])
-            buffer[:, :, :used].copy_(stored)
             self._spare[name] = buffer
+        if used and (stored.data_ptr() != buffer.data_ptr() or stored.stride() != buffer.stride()):
+            buffer[:, :, :used].copy_(stored)
         buffer[:, :, used:total].copy_(new)
         return buffer[:, :, :total]
 

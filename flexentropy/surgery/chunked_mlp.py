@@ -11,7 +11,7 @@ chunk's activations at a time. Forwards of at most ``tokens`` tokens (decode ste
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
 
 import torch
 from torch import nn
@@ -27,23 +27,43 @@ enough to run at the GPU's full rate (16,384 x 4,096 x 28,672 on the 8B shape), 
 those of a 65,536-token chunk, so that prompts from 16k tokens on peak below a whole-sequence MLP's."""
 
 
-class ChunkedForward:
-    """An MLP's forward over ``x [..., L, d]`` in chunks of ``tokens`` along ``L`` (module docstring); shorter inputs
-    go to ``forward`` whole."""
+CHUNK_ATTR = "flexentropy_mlp_chunk"
+"""Attribute of a chunked MLP: its tokens per chunk."""
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], tokens: int) -> None:
-        self.forward, self.tokens = forward, tokens
+WHOLE_ATTR = "flexentropy_whole_forward"
+"""Attribute of a chunked MLP whose instance ``forward`` was another library's (a hook's wrapper): that forward, which
+each chunk runs (else the class's)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[-2]
-        if length <= self.tokens:
-            return self.forward(x)
-        first = self.forward(x[..., : self.tokens, :])
-        out = first.new_empty((*first.shape[:-2], length, first.shape[-1]))
-        out[..., : self.tokens, :] = first
-        for start in range(self.tokens, length, self.tokens):
-            out[..., start : start + self.tokens, :] = self.forward(x[..., start : start + self.tokens, :])
-        return out
+
+def forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A chunked MLP's forward over ``x [..., L, d]``, in chunks of its `CHUNK_ATTR` tokens along ``L`` (module
+    docstring); shorter inputs whole.
+
+    `chunk_mlp` binds it to each MLP as its instance ``forward`` (``types.MethodType``): one function for every MLP,
+    and a chunk size that is an int on each, so that a compiled decoder layer (the static decode step's) is one graph
+    for every layer; an object per MLP (a ``functools.partial``, a callable) would be guarded by identity, a graph per
+    layer. Named ``forward`` so that an unpickled model finds its class's ``forward`` there (its MLPs run whole).
+    """
+    tokens, whole = getattr(mlp, CHUNK_ATTR), vars(mlp).get(WHOLE_ATTR)
+
+    def run(part: torch.Tensor) -> torch.Tensor:
+        return type(mlp).forward(mlp, part) if whole is None else whole(part)
+
+    length = x.shape[-2]
+    if length <= tokens:
+        return run(x)
+    first = run(x[..., :tokens, :])
+    out = first.new_empty((*first.shape[:-2], length, first.shape[-1]))
+    out[..., :tokens, :] = first
+    for start in range(tokens, length, tokens):
+        out[..., start : start + tokens, :] = run(x[..., start : start + tokens, :])
+    return out
+
+
+def chunked(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` runs `forward` (`chunk_mlp` chunked it)."""
+    bound = vars(mlp).get("forward")
+    return isinstance(bound, types.MethodType) and bound.__func__ is forward
 
 
 def mlp_modules(model: nn.Module) -> list[nn.Module]:
@@ -53,8 +73,7 @@ def mlp_modules(model: nn.Module) -> list[nn.Module]:
 
 def chunked_tokens(model: nn.Module) -> int | None:
     """Tokens per chunk of ``model``'s MLPs (`chunk_mlp`), or None when they run whole (or it has none)."""
-    chunked = [vars(mlp).get("forward") for mlp in mlp_modules(model)]
-    return next((forward.tokens for forward in chunked if isinstance(forward, ChunkedForward)), None)
+    return next((getattr(mlp, CHUNK_ATTR) for mlp in mlp_modules(model) if chunked(mlp)), None)
 
 
 def chunk_mlp(model: nn.Module, tokens: int | None = MLP_CHUNK) -> int:
@@ -71,9 +90,15 @@ def chunk_mlp(model: nn.Module, tokens: int | None = MLP_CHUNK) -> int:
         raise ValueError(f"chunk_mlp found no MLP in {type(model).__name__}: it looks for children named "
                          f"{' or '.join(MLP_NAMES)}")
     for mlp in mlps:
-        chunked = mlp.__dict__.get("forward")
-        if isinstance(chunked, ChunkedForward):
-            del mlp.forward                     # back to the class's forward
+        if chunked(mlp):                        # back to the forward it had
+            del mlp.forward
+            delattr(mlp, CHUNK_ATTR)
+            whole = vars(mlp).pop(WHOLE_ATTR, None)
+            if whole is not None:
+                mlp.forward = whole
         if tokens is not None:
-            mlp.forward = ChunkedForward(mlp.forward, int(tokens))
+            if "forward" in vars(mlp):          # another library's wrapper: each chunk runs it
+                setattr(mlp, WHOLE_ATTR, vars(mlp).pop("forward"))
+            setattr(mlp, CHUNK_ATTR, int(tokens))
+            mlp.forward = types.MethodType(forward, mlp)
     return len(mlps)

@@ -7,6 +7,7 @@ Models: tiny random Llama / Qwen2 built from configs (as tests/test_hf_integrati
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -939,6 +940,27 @@ def test_warm_up_checks_its_artifacts_path_first(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="could not load the compiled artifacts"):
         fe.warm_up(model, [300], config=EVICTING, new_tokens=2, artifacts=broken)
     assert broken.read_bytes() != b"not torch's"
+
+
+def test_warm_up_keeps_flash_attn_4_kernels_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57: flash-attn-4 compiles its CuTe kernels again in every process unless its persistent kernel cache is
+    on, which it reads once, when ``flash_attn.cute`` is imported. `fe.warm_up` turns it on where the variable is unset
+    and flash-attn-4 not imported yet; a user's setting, or an import already made, is left alone."""
+    import sys
+
+    from flexentropy.engine.warm_up import FLASH_KERNEL_CACHE, keep_flash_kernels
+
+    monkeypatch.delitem(sys.modules, "flash_attn.cute", raising=False)
+    monkeypatch.delenv(FLASH_KERNEL_CACHE, raising=False)
+    fe.warm_up(model_for("llama", EVICTING), [200], config=EVICTING, new_tokens=2)
+    assert os.environ[FLASH_KERNEL_CACHE] == "1"
+    monkeypatch.setenv(FLASH_KERNEL_CACHE, "0")
+    assert not keep_flash_kernels() and os.environ[FLASH_KERNEL_CACHE] == "0"
+    monkeypatch.delenv(FLASH_KERNEL_CACHE)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", object())   # imported before: too late to turn it on
+    assert not keep_flash_kernels() and FLASH_KERNEL_CACHE not in os.environ
+    monkeypatch.delitem(sys.modules, "flash_attn.cute")
+    assert keep_flash_kernels() and os.environ[FLASH_KERNEL_CACHE] == "1"
 
 
 def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:

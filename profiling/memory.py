@@ -20,10 +20,11 @@ requests) and after it. Parts:
 The dense part runs first, on the model before ``fe.enable``. ``cfg`` is the speed benchmarks' (fixed prefill budgets,
 ``--prefill-budget``: density ~0.09 at 128k). Each row is written to ``--out`` as it completes; a request that runs
 out of memory writes a row with the error and the run goes on (``torch.cuda.empty_cache()`` between rows).
-``--snapshot FILE`` records ``torch.cuda.memory``'s allocation history around the first static request (or the first
-request of ``--snapshot-part``) and writes it gzip-compressed, cut to its latest events until it is under 16 MiB
-(gunzip it and open it in torch's memory_viz). ``--device cpu --tiny`` checks the harness on a small model: the CPU
-allocator keeps no statistics, so its peaks are null and only the caches' bytes are read.
+``--snapshot FILE`` records ``torch.cuda.memory``'s allocation history around one request (of ``--snapshot-part``,
+default static, at ``--snapshot-length`` tokens, default its first) and writes it gzip-compressed, cut to its latest
+events until it is under 16 MiB (gunzip it and open it in torch's memory_viz). ``--device cpu --tiny`` checks the
+harness on a small model: the CPU allocator keeps no statistics, so its peaks are absent and only the caches' bytes
+are read.
 """
 
 from __future__ import annotations
@@ -104,11 +105,13 @@ def allocated(device: torch.device) -> int | None:
 class Snapshot:
     """``torch.cuda.memory``'s allocation history around one request, written gzip-compressed to ``path``."""
 
-    def __init__(self, path: Path | None, part: str, entries: int) -> None:
-        self.path, self.part, self.entries, self.done = path, part, entries, False
+    def __init__(self, path: Path | None, part: str, length: int | None, entries: int) -> None:
+        self.path, self.part, self.length, self.entries, self.done = path, part, length, entries, False
 
-    def wanted(self, part: str, device: torch.device) -> bool:
-        return self.path is not None and not self.done and part == self.part and device.type == "cuda"
+    def wanted(self, part: str, n: int, device: torch.device) -> bool:
+        """Whether the request of ``part`` at ``n`` tokens is the one to record (the first that matches)."""
+        return (self.path is not None and not self.done and part == self.part and self.length in (None, n)
+                and device.type == "cuda")
 
     def start(self) -> None:
         torch.cuda.memory._record_memory_history(max_entries=self.entries, stacks="python")
@@ -139,7 +142,7 @@ def measure(part: str, n: int, device: torch.device, request: Callable[[], Any],
     row: dict[str, Any] = {"part": part, "n": n}
     clean(device)
     before = allocated(device)
-    recording = snapshot.wanted(part, device)
+    recording = snapshot.wanted(part, n, device)
     if recording:
         snapshot.start()
     try:
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-budget", type=int, default=3328, help="B_0 of the fixed prefill budgets")
     p.add_argument("--snapshot", type=Path, default=None, help="write the allocation history of one request here")
     p.add_argument("--snapshot-part", default="static", choices=PARTS)
+    p.add_argument("--snapshot-length", type=int, default=None, help="the request recorded (default: the first)")
     p.add_argument("--snapshot-entries", type=int, default=200000, help="most allocation events recorded")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     model = build_model(args.layers, device, args.tiny)
     fe.fuse_projections(model)
-    snapshot = Snapshot(args.snapshot, args.snapshot_part, args.snapshot_entries)
+    snapshot = Snapshot(args.snapshot, args.snapshot_part, args.snapshot_length, args.snapshot_entries)
     header = {"benchmark": "memory", "model": "Llama-3.1-8B shape, random weights, bf16, fe.fuse_projections",
               "layers": args.layers, "new_tokens": args.new_tokens,
               "weights_gib": gib(sum(t.numel() * t.element_size() for t in model.parameters())),

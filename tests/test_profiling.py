@@ -51,13 +51,16 @@ def test_memory_snapshot_is_cut_to_its_latest_events_until_it_fits(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The snapshot a GPU run brings back must stay under its limit: the oldest events go first."""
     memory = script("memory")
+    cuda = torch.device("cuda")
     events = [{"action": "alloc", "addr": i, "size": i * 7919 % 104729, "frames": [{"name": f"f{i}"}]}
               for i in range(4000)]
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [events]})
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *args, **kwargs: None)
     thousand = len(gzip.compress(pickle.dumps({"segments": [], "device_traces": [events[-1000:]]})))
     monkeypatch.setattr(memory, "SNAPSHOT_LIMIT", thousand - 1)   # the last 1000 events do not fit, 500 do
-    snapshot = memory.Snapshot(tmp_path / "snap.pickle.gz", "static", 10)
+    snapshot = memory.Snapshot(tmp_path / "snap.pickle.gz", "static", 4096, 10)
+    assert not snapshot.wanted("static", 4096, torch.device("cpu")) and not snapshot.wanted("latent", 4096, cuda)
+    assert not snapshot.wanted("static", 2048, cuda) and snapshot.wanted("static", 4096, cuda)
     row = snapshot.stop()
     saved = pickle.loads(gzip.decompress((tmp_path / "snap.pickle.gz").read_bytes()))
     assert row["snapshot_events"] == 500 and saved["device_traces"][0] == events[-500:]

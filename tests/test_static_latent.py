@@ -172,6 +172,22 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
         assert torch.equal(read, torch.cat([before, new], dim=-2))
 
 
+def test_phase_one_frees_its_prompt_sized_buffer_after_an_eviction() -> None:
+    """A layer's own buffer (no prompt buffers lent) holds the prompt and the phase-1 slots; once an eviction leaves
+    fewer entries elsewhere, the next append moves them to a buffer of their size, and the prompt-sized one is freed
+    (a lent buffer takes them instead: the prompt buffers are kept anyway)."""
+    cache = StaticLatentKVCache(EVICTING, num_layers=1)
+    layer = cache.layers[0]
+    cache.observe_queries(torch.randn(1, 4, 300, 16), 0)
+    cache.update(torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16), 0)
+    assert layer.keys.untyped_storage().nbytes() == 2 * (300 + EVICTING.decode_delay) * 16 * 4
+    layer.decide(EVICTING.decode_budget, 1)
+    cache.observe_queries(torch.randn(1, 4, 1, 16), 0)
+    cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    held = EVICTING.decode_budget + 1 + EVICTING.decode_delay
+    assert layer.keys.untyped_storage().nbytes() == 2 * held * 16 * 4 and layer.stored == EVICTING.decode_budget + 1
+
+
 def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int = 0, device: str = "cpu") -> None:
     """Feed ``cache`` a 2-row prompt of 300 tokens (row 1 left-padded by ``padding``) and ``steps`` decode steps
     of random post-RoPE queries, keys and values, different in every layer, as an attention layer hands them over

@@ -39,6 +39,7 @@ from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode_attention import grouped_attention, kept_columns
 from flexentropy.policies import PrefillPolicy
+from flexentropy.surgery.chunked_mlp import MLP_CHUNK, chunked_tokens
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -499,7 +500,10 @@ def test_an_enabled_model_pickles(tmp_path: object) -> None:
 
     assert torch.equal(run(loaded), run(model))
     assert hook_count(loaded) == hook_count(model)
-    assert hf.disable(loaded) is loaded and hook_count(loaded) == 0
+    assert chunked_tokens(loaded) is None    # a bound method pickles as its name: the MLPs' own forward comes back
+    enable(loaded, SMALL)
+    assert chunked_tokens(loaded) == MLP_CHUNK and hook_count(loaded) == hook_count(model)
+    assert hf.disable(loaded) is loaded and hook_count(loaded) == 0 and chunked_tokens(loaded) is None
 
 
 def test_enable_runs_the_mlps_of_long_forwards_in_chunks() -> None:
@@ -507,8 +511,6 @@ def test_enable_runs_the_mlps_of_long_forwards_in_chunks() -> None:
     unless the user knew `fe.chunk_mlp`. `enable` now runs the MLPs of forwards longer than ``mlp_chunk`` tokens over
     chunks of it, with the whole forward's logits (shorter forwards whole); ``mlp_chunk=None`` leaves them whole; MLPs
     the user chunked keep their chunks; `enabled` and `disable` give back what the model had."""
-    from flexentropy.surgery.chunked_mlp import MLP_CHUNK, chunked_tokens
-
     dense, model = twins("llama", COVERING)
     mlp = model.model.layers[1].mlp
     assert chunked_tokens(model) == MLP_CHUNK and chunked_tokens(dense) is None

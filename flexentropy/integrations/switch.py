@@ -37,7 +37,7 @@ ATTN_IMPLEMENTATION = "flexentropy"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 """``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
 
-MLP_CHUNK_ATTR = "flexentropy_mlp_chunk"
+MLP_CHUNK_ATTR = "flexentropy_enabled_mlp_chunk"
 """Attribute of a switched model holding the tokens per chunk `enable` gave its MLPs (absent: `enable` left them as
 they were), so that `disable` gives back whole only what `enable` chunked."""
 

@@ -78,7 +78,9 @@ def chunked_tokens(model: nn.Module) -> int | None:
 
 def chunk_mlp(model: nn.Module, tokens: int | None = MLP_CHUNK) -> int:
     """Run every MLP of ``model`` (a child named as in `MLP_NAMES`) over chunks of ``tokens`` tokens (module
-    docstring), in place; ``tokens=None`` restores the whole-sequence forwards. Returns the MLPs changed.
+    docstring), in place; ``tokens=None`` restores the whole-sequence forwards. Returns the MLPs changed. A model
+    pickled whole (``torch.save(model)``) comes back with its MLPs whole: chunk them again (`chunk_mlp`, or
+    `flexentropy.enable` for the MLPs it chunked).
 
     Raises:
         ValueError: ``tokens`` not a positive int, or no MLP found.

@@ -34,7 +34,14 @@ Parts (``--parts``):
   the share of kept entries they agree on (`keep_indices` of the pooled, spread scores at the default budget).
 * ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts)`` then one request of the
   first N, timed from the warm-up's start (run it in fresh processes, with a kept ``TORCHINDUCTOR_CACHE_DIR`` or
-  the artifacts file, to see what each saves).
+  the artifacts file, to see what each saves). The row attributes the warm-up: every frame dynamo compiled
+  (``get_compilation_metrics``: its name, seconds, backend and inductor seconds, cache hits and misses), torch's
+  compile counters, and, unless ``--no-profile``, the warm-up's wall time split into `BUCKETS` by a sampler of the
+  main thread's stack (each sample's time to the innermost frame a bucket names: dynamo tracing, inductor and
+  FX-graph cache loads and compiles, CuTe DSL compiles, Triton compiles, CUDA-graph recording, the rest) and a
+  ``cProfile`` of it, its top functions in the row and the whole listing beside the JSON
+  (``<out>_<tag>_warm_up.txt``). Both profilers slow the Python they watch: time a clean warm-up with
+  ``--no-profile``.
 
 Every row is written to ``--out`` as it completes (a lost machine keeps what ran). ``--device cpu --tiny`` checks the
 harness on a small model; its timings mean nothing.
@@ -44,10 +51,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -66,6 +77,7 @@ from end_to_end import build_model  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.engine import observe_steps  # noqa: E402
+from flexentropy.engine.warm_up import FLASH_KERNEL_CACHE  # noqa: E402
 from flexentropy.integrations.hf import cache_keyword, prefill_density  # noqa: E402
 
 STEP_MARK = "decode_timeline.step"
@@ -73,6 +85,7 @@ STEP_MARK = "decode_timeline.step"
 
 DENSE = "flexentropy_dense_baseline"
 """The strong dense baseline's name in transformers' attention and mask interfaces."""
+
 
 
 # -- the strong dense baseline ---------------------------------------------------------------------------------------
@@ -399,23 +412,150 @@ def scores_row(model: Any, n: int, device: torch.device) -> dict:
                 "kept_agreement": agree / (kv_heads * cfg.decode_budget)}
 
 
-def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
-    """A fresh process's first request, timed from the start of ``fe.warm_up``."""
+BUCKETS = (
+    ("CuTe DSL compiles and kernel cache loads", "flash_attn/cute/cute_dsl_utils.py", ("cute_compile_patched",)),
+    ("CuTe DSL compiles and kernel cache loads", "flash_attn/cute/cache_utils.py", None),
+    ("Triton compiles", "triton/compiler/", None),
+    ("Triton compiles", "torch/_inductor/async_compile.py", None),
+    ("Triton compiles", "torch/_inductor/runtime/triton_heuristics.py",
+     ("precompile", "_precompile_worker", "_precompile_config", "_make_launchers", "benchmark_all_configs",
+      "autotune_to_one_config", "coordinate_descent_tuning")),
+    ("inductor and FX-graph cache loads and compiles", "torch/_inductor/compile_fx.py", None),
+    ("dynamo tracing", "torch/_dynamo/convert_frame.py", None),
+    ("CUDA-graph recording", "torch/cuda/graphs.py", None),
+    ("CUDA-graph recording", "flexentropy/engine/driver.py", ("_recording",)),
+)
+"""``(bucket, path fragment, functions or None: any)``: a stack sample goes to the bucket of its innermost frame whose
+file path holds the fragment (in a function named, where some are), or of an import (a module's body run by
+importlib: `IMPORTS`), else `REST`. The fragments name compile-time entry points only (a compiled graph's run goes
+through other torch files): a Triton compile under inductor is Triton's, inductor's compile under dynamo
+inductor's, and the eager runs of a step while the driver records it are the recording's."""
+
+IMPORTS = "imports (module bodies: flash-attn-4's CuTe DSL, triton, ...)"
+REST = "the rest (the warm-up's own requests: eager Python, kernels, waits)"
+
+
+def frame_bucket(frame: Any) -> str:
+    """The bucket of a stack (its innermost ``frame``) under `BUCKETS`."""
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename.replace(os.sep, "/")
+        for bucket, fragment, functions in BUCKETS:
+            if fragment in path and (functions is None or code.co_name in functions):
+                return bucket
+        if code.co_name == "<module>" and frame.f_back is not None and "importlib" in frame.f_back.f_code.co_filename:
+            return IMPORTS
+        frame = frame.f_back
+    return REST
+
+
+class StackSampler:
+    """Inside, a thread samples ``thread``'s stack (default: the one that enters) every ``interval`` seconds and
+    gives the wall time since its previous sample to that stack's bucket (`frame_bucket`): ``seconds`` sums to the
+    time inside."""
+
+    def __init__(self, interval: float = 0.01, thread: int | None = None) -> None:
+        self.interval, self.thread = interval, thread
+        self.seconds: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def __enter__(self) -> StackSampler:
+        self.thread = threading.get_ident() if self.thread is None else self.thread
+        self._last = time.perf_counter()
+        self._sampler = threading.Thread(target=self._run, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        frame = sys._current_frames().get(self.thread)
+        now = time.perf_counter()
+        bucket = frame_bucket(frame)
+        self.seconds[bucket] = self.seconds.get(bucket, 0.0) + now - self._last
+        self._last = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._sample()
+
+
+METRICS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "entire_frame_compile_time_s",
+           "backend_compile_time_s", "inductor_compile_time_s", "code_gen_time_s", "triton_compile_time_us",
+           "runtime_triton_autotune_time_us", "compile_time_autotune_time_us", "inductor_fx_local_cache_hit_count",
+           "inductor_fx_local_cache_miss_count", "inductor_fx_remote_cache_hit_count",
+           "inductor_fx_remote_cache_miss_count", "aotautograd_local_cache_hit_count",
+           "aotautograd_local_cache_miss_count", "graph_op_count", "guard_count", "cache_size", "recompile_reason",
+           "fail_reason")
+"""Fields of dynamo's ``CompilationMetrics`` kept per compiled frame (absent ones are None: they vary with torch)."""
+
+
+def compiled_frames() -> list[dict]:
+    """Every frame dynamo compiled in this process so far, with `METRICS`."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    frames = []
+    for metrics in get_compilation_metrics():
+        frame = {name: getattr(metrics, name, None) for name in METRICS}
+        frame["compile_id"] = None if frame["compile_id"] is None else str(frame["compile_id"])
+        frames.append(frame)
+    return frames
+
+
+def top_functions(stats: pstats.Stats, key: str, count: int) -> list[dict]:
+    """The ``count`` functions of ``stats`` with the most ``key`` time (``"cumulative"`` or ``"tottime"``)."""
+    rows = [{"function": f"{file}:{line}({name})", "calls": calls, "own_s": own, "cumulative_s": cumulative}
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items()]
+    rows.sort(key=lambda row: row["cumulative_s" if key == "cumulative" else "own_s"], reverse=True)
+    return rows[:count]
+
+
+def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device, out: Path) -> dict:
+    """A fresh process's first request, timed from the start of ``fe.warm_up``, and the warm-up's attribution (module
+    docstring)."""
+    from flexentropy.engine.driver import recorded_steps
+
     cfg = speed_config(base_budget=args.prefill_budget)
     fe.enable(model, cfg)
     cache = fe.StaticLatentKVCache(cfg, model=model, max_prompt_length=args.max_prompt_length or ids.shape[1])
-    t0 = time.perf_counter()
-    fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts)
-    warm = time.perf_counter() - t0
+    flash_cache = os.environ.get(FLASH_KERNEL_CACHE)
+    profiler, sampler = (None, None) if args.no_profile else (cProfile.Profile(), StackSampler())
+    with sampler or contextlib.nullcontext():
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.perf_counter()
+        fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts)
+        warm = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.disable()
     request = request_s(model, ids, cache, args.new_tokens[0], device, loop=False)
-    from torch._dynamo.utils import get_compilation_metrics
-
-    frames = get_compilation_metrics()   # what dynamo traced (and inductor compiled or took from its caches)
-    return {"part": "coldstart", "variant": args.tag or "coldstart", "warm_up_s": warm, "request_s": request,
-            "first_request_done_s": warm + request, "artifacts": args.artifacts,
-            "artifacts_existed": args.artifacts_existed, "graphs": len(frames),
-            "graphs_s": sum(m.entire_frame_compile_time_s or 0.0 for m in frames),
-            "flash_attn_cache": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1"}
+    frames = compiled_frames()   # what dynamo traced (and inductor compiled or took from its caches)
+    row = {"part": "coldstart", "variant": args.tag or "coldstart", "warm_up_s": warm, "request_s": request,
+           "first_request_done_s": warm + request, "profiled": not args.no_profile, "artifacts": args.artifacts,
+           "artifacts_existed": args.artifacts_existed, "graphs": len(frames),
+           "graphs_s": sum(frame["entire_frame_compile_time_s"] or 0.0 for frame in frames),
+           "frames": frames, "recorded_steps": recorded_steps(model),
+           "counters": {kind: dict(values) for kind, values in torch._dynamo.utils.counters.items()
+                        if kind in ("stats", "inductor", "aot_autograd")},
+           "flash_attn_cache_env": {"before": flash_cache, "after": os.environ.get(FLASH_KERNEL_CACHE)},
+           "flash_attn_cache": os.environ.get(FLASH_KERNEL_CACHE) == "1"}
+    if sampler is not None:
+        row["warm_up_buckets_s"] = dict(sorted(sampler.seconds.items(), key=lambda item: -item[1]))
+    if profiler is not None:
+        stats = pstats.Stats(profiler)
+        row["top_cumulative"] = top_functions(stats, "cumulative", 25)
+        row["top_own"] = top_functions(stats, "tottime", 15)
+        listing = io.StringIO()
+        pstats.Stats(profiler, stream=listing).sort_stats("cumulative").print_stats(200)
+        path = out.with_name(f"{out.stem}_{args.tag or 'coldstart'}_warm_up.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(listing.getvalue())
+        row["profile"] = str(path)
+    return row
 
 
 PHASES = {"static": "static steps", "phase1": "phase-1 steps", "first_eviction": "first eviction",
@@ -479,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
     p.add_argument("--artifacts", default=None, help="coldstart: fe.warm_up's artifacts file")
     p.add_argument("--tag", default="", help="coldstart: the row's variant")
+    p.add_argument("--no-profile", action="store_true",
+                   help="coldstart: time the warm-up without the stack sampler and cProfile")
     p.add_argument("--repeats", type=int, default=3, help="flexentropy: runs of each request, their median")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda")
@@ -502,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     def keep(row: dict) -> None:
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k not in ("phases",)}, flush=True)
+               if k not in ("phases", "frames", "counters", "top_cumulative", "top_own")}, flush=True)
         write_json(out, {"benchmark": "decode_timeline", "model": "Llama-3.1-8B shape, random weights, bf16, "
                          "fe.fuse_projections", "layers": args.layers, "environment": environment(), "rows": rows})
 
@@ -530,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     if "scores" in parts:
         guarded("scores", lambda: iter([scores_row(model, args.context, device)]))
     if "coldstart" in parts:
-        guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device)]))
+        guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device, out)]))
 
 
 if __name__ == "__main__":

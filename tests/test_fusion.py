@@ -88,9 +88,8 @@ def test_chunked_mlps_give_the_same_logits(fuse: bool) -> None:
         fe.fuse_projections(chunked)
     calls: list[int] = []
     mlp = chunked.model.layers[0].mlp
-    inner = type(mlp).forward
     assert fe.chunk_mlp(chunked, 16) == COMMON["num_hidden_layers"]
-    mlp.forward.forward = lambda x: calls.append(x.shape[-2]) or inner(mlp, x)   # the chunks it runs
+    mlp.down_proj.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[-2]))  # the chunks
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = plain(ids).logits
@@ -105,6 +104,36 @@ def test_chunked_mlps_give_the_same_logits(fuse: bool) -> None:
         fe.chunk_mlp(chunked, 0)
     with pytest.raises(ValueError, match="found no MLP in Linear"):
         fe.chunk_mlp(nn.Linear(2, 2), 8)
+
+
+def test_chunked_mlps_keep_a_wrapper_and_trace_as_one_function() -> None:
+    """An MLP whose instance ``forward`` is another library's wrapper runs it on each chunk, and gets it back when
+    the chunks are undone. Every chunked MLP's forward is one function bound to it, its chunk size an int on it: a
+    compiled decoder layer then serves every layer with one graph (an object per MLP was guarded by identity: a
+    graph per layer, the recompile limit at 64 layers)."""
+    plain, model = pair("llama")
+    first, second = (layer.mlp for layer in model.model.layers)
+    wrapped: list[int] = []
+
+    def wrapper(x: torch.Tensor) -> torch.Tensor:
+        wrapped.append(x.shape[-2])
+        return type(first).forward(first, x)
+
+    first.forward = wrapper
+    fe.chunk_mlp(model, 16)
+    x = torch.randn(1, 40, COMMON["hidden_size"])
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), plain.model.layers[0].mlp(x), atol=1e-6, rtol=1e-6)
+    assert wrapped == [16, 16, 8]
+    fe.chunk_mlp(model, None)
+    assert first.forward is wrapper and "forward" not in vars(second)
+
+    fe.chunk_mlp(plain, 16)
+    torch._dynamo.reset()
+    step = torch.compile(lambda mlp, x: mlp(x), backend="eager")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for layer in plain.model.layers:    # one step, as the static decode step runs every layer
+            torch.testing.assert_close(step(layer.mlp, x[:, :1]), type(layer.mlp).forward(layer.mlp, x[:, :1]))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -33,11 +33,13 @@ from transformers import (
 )
 
 from flexentropy import EntropyConfig, greedy_generate
+from flexentropy import chunk_mlp as fe_chunk_mlp
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode_attention import grouped_attention, kept_columns
 from flexentropy.policies import PrefillPolicy
+from flexentropy.surgery.chunked_mlp import MLP_CHUNK, chunked_tokens
 
 VOCAB = 256
 PROMPT = 640  # 5 segments of 128: segment 0 dense (dense_prefix), 1-3 sparse, 4 dense (last)
@@ -498,7 +500,47 @@ def test_an_enabled_model_pickles(tmp_path: object) -> None:
 
     assert torch.equal(run(loaded), run(model))
     assert hook_count(loaded) == hook_count(model)
-    assert hf.disable(loaded) is loaded and hook_count(loaded) == 0
+    assert chunked_tokens(loaded) is None    # a bound method pickles as its name: the MLPs' own forward comes back
+    enable(loaded, SMALL)
+    assert chunked_tokens(loaded) == MLP_CHUNK and hook_count(loaded) == hook_count(model)
+    assert hf.disable(loaded) is loaded and hook_count(loaded) == 0 and chunked_tokens(loaded) is None
+
+
+def test_enable_runs_the_mlps_of_long_forwards_in_chunks() -> None:
+    """Issue 57: a 128k prompt on the 8B shape ran out of memory inside an MLP on an 80 GB card, where dense fit,
+    unless the user knew `fe.chunk_mlp`. `enable` now runs the MLPs of forwards longer than ``mlp_chunk`` tokens over
+    chunks of it, with the whole forward's logits (shorter forwards whole); ``mlp_chunk=None`` leaves them whole; MLPs
+    the user chunked keep their chunks; `enabled` and `disable` give back what the model had."""
+    dense, model = twins("llama", COVERING)
+    mlp = model.model.layers[1].mlp
+    assert chunked_tokens(model) == MLP_CHUNK and chunked_tokens(dense) is None
+    enable(model, COVERING, prefill="dense", mlp_chunk=64)
+    calls: list[int] = []
+    mlp.down_proj.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[-2]))  # the chunks
+    ids = prompt(150)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+        assert calls == [64, 64, 22]
+        model(ids[:, :40])
+        assert calls[3:] == [40]
+    with hf.enabled(model, SMALL, mlp_chunk=None):
+        assert chunked_tokens(model) is None
+    assert chunked_tokens(model) == 64
+    with hf.enabled(model, SMALL):
+        assert chunked_tokens(model) == MLP_CHUNK
+    assert chunked_tokens(model) == 64
+    hf.disable(model)
+    assert chunked_tokens(model) is None and "forward" not in vars(mlp)
+    with hf.enabled(model, SMALL):
+        assert chunked_tokens(model) == MLP_CHUNK
+    assert chunked_tokens(model) is None
+    fe_chunk_mlp(model, 32)                          # the user's own chunks stay
+    enable(model, SMALL)
+    assert chunked_tokens(model) == 32
+    hf.disable(model)
+    assert chunked_tokens(model) == 32
+    with pytest.raises(ValueError, match="enable.mlp_chunk must be >= 1, got 0"):
+        enable(model, SMALL, mlp_chunk=0)
 
 
 def test_use_cache_false_with_a_flexentropy_cache_says_what_is_wrong() -> None:

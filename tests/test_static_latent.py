@@ -7,6 +7,7 @@ Models: tiny random Llama / Qwen2 built from configs (as tests/test_hf_integrati
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,22 @@ def test_phase_one_appends_in_place_and_frees_its_buffers() -> None:
     got = direct.update(*step, 0)
     for read, before, new in zip(got, (keys, values), step, strict=True):
         assert torch.equal(read, torch.cat([before, new], dim=-2))
+
+
+def test_phase_one_frees_its_prompt_sized_buffer_after_an_eviction() -> None:
+    """A layer's own buffer (no prompt buffers lent) holds the prompt and the phase-1 slots; once an eviction leaves
+    fewer entries elsewhere, the next append moves them to a buffer of their size, and the prompt-sized one is freed
+    (a lent buffer takes them instead: the prompt buffers are kept anyway)."""
+    cache = StaticLatentKVCache(EVICTING, num_layers=1)
+    layer = cache.layers[0]
+    cache.observe_queries(torch.randn(1, 4, 300, 16), 0)
+    cache.update(torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16), 0)
+    assert layer.keys.untyped_storage().nbytes() == 2 * (300 + EVICTING.decode_delay) * 16 * 4
+    layer.decide(EVICTING.decode_budget, 1)
+    cache.observe_queries(torch.randn(1, 4, 1, 16), 0)
+    cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+    held = EVICTING.decode_budget + 1 + EVICTING.decode_delay
+    assert layer.keys.untyped_storage().nbytes() == 2 * held * 16 * 4 and layer.stored == EVICTING.decode_budget + 1
 
 
 def drive(cache: StaticLatentKVCache, steps: int, *, seed: int = 0, padding: int = 0, device: str = "cpu") -> None:
@@ -502,6 +519,82 @@ def test_captured_phase_one_compiles_one_graph_more_and_none_after() -> None:
         got = greedy(model, other, cache, 70, compile_config=cpu_compile())
     assert torch.equal(got, greedy(model, other, LatentKVCache(EVICTING), 70, disable_compile=True))
     assert {buffer.data_ptr() for buffer in (*cache.prompt.keys, *cache.prompt.values)} == addresses
+
+
+def held_storages(root: object) -> dict[int, int]:
+    """Every tensor storage reachable from ``root`` through flexentropy's objects, lists, tuples and dicts: its
+    address -> its bytes (views of one storage counted once)."""
+    held: dict[int, int] = {}
+    seen: set[int] = set()
+    pending = [root]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif type(item).__module__.startswith("flexentropy") and hasattr(item, "__dict__"):
+            pending.extend(vars(item).values())
+    return held
+
+
+def windows_bytes(cache: StaticLatentKVCache) -> int:
+    """Bytes of the query windows, the layers' and the static phase's."""
+    windows = [layer.window for layer in cache.layers if layer.window is not None] + list(cache.static.window)
+    return sum(window.untyped_storage().nbytes() for window in windows)
+
+
+def test_a_prompt_is_held_once_in_the_prompt_buffers() -> None:
+    """With ``max_prompt_length`` a prompt's keys and values are written straight into the prompt buffers, which the
+    layers read as views, in the first request (the buffers made at its first update) as in the next ones: after the
+    prompt's forward the cache holds the buffers and the query windows, and no second copy of the prompt (each layer
+    kept one of its own beside the buffers before: 16 GiB more at 128k on an 8B model). So does it at every step
+    through phase 1 and a later turn during phase 1 (the layers get views of the buffers and append in place), up
+    to the first eviction: nothing is held but the buffers, the query windows and the step's counters."""
+    config = EVICTING.replace(decode_delay=6)
+    cache = StaticLatentKVCache(config, num_layers=3, max_prompt_length=400)
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(length: int) -> None:
+        begin_step(cache, length)
+        assert extra() == 0, "a copy of the prompt's KV held beside the prompt buffers"
+        for layer_idx in range(3):
+            query = torch.randn(1, 4, length, 16, generator=gen)
+            cache.observe_queries(query, layer_idx)
+            cache.update(torch.randn(1, 2, length, 16, generator=gen), torch.randn(1, 2, length, 16, generator=gen),
+                         layer_idx)
+            if length == 1:
+                cache.attend(query, layer_idx)
+        end_step(cache, length)
+
+    def extra() -> int:
+        """Bytes held beyond the buffers, the query windows and the step's counters."""
+        counters = cache.static.counters
+        counters = sum(t.untyped_storage().nbytes() for t in (*counters.device.values(), counters.row_index))
+        buffers = cache.prompt.nbytes() + cache.main.nbytes()
+        return sum(held_storages(cache).values()) - buffers - windows_bytes(cache) - counters
+
+    for request in range(2):
+        cache.reset()
+        forward(300)
+        assert cache.stage is None and extra() == 0, f"request {request}: the prompt's KV held twice"
+        keys = cache.layers[1].keys
+        assert keys.untyped_storage().data_ptr() == cache.prompt.keys[1].data_ptr() and keys.shape[2] == 300
+        forward(1)
+        assert cache.stage is cache.prompt and extra() == 0
+    forward(1)
+    forward(3)   # a later turn inside phase 1: the layers get views of the buffers and append in place
+    assert cache.stage is None and cache.layers[0].stored == 305 and extra() == 0
+    assert cache.layers[2].keys.untyped_storage().data_ptr() == cache.prompt.keys[2].data_ptr()
+    while not cache.is_static:
+        forward(1)
+    assert cache.evictions == 1
 
 
 def test_a_budget_above_the_request_is_a_dense_captured_decode() -> None:
@@ -863,6 +956,27 @@ def test_warm_up_checks_its_artifacts_path_first(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="could not load the compiled artifacts"):
         fe.warm_up(model, [300], config=EVICTING, new_tokens=2, artifacts=broken)
     assert broken.read_bytes() != b"not torch's"
+
+
+def test_warm_up_keeps_flash_attn_4_kernels_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57: flash-attn-4 compiles its CuTe kernels again in every process unless its persistent kernel cache is
+    on, which it reads once, when ``flash_attn.cute`` is imported. `fe.warm_up` turns it on where the variable is unset
+    and flash-attn-4 not imported yet; a user's setting, or an import already made, is left alone."""
+    import sys
+
+    from flexentropy.engine.warm_up import FLASH_KERNEL_CACHE, keep_flash_kernels
+
+    monkeypatch.delitem(sys.modules, "flash_attn.cute", raising=False)
+    monkeypatch.delenv(FLASH_KERNEL_CACHE, raising=False)
+    fe.warm_up(model_for("llama", EVICTING), [200], config=EVICTING, new_tokens=2)
+    assert os.environ[FLASH_KERNEL_CACHE] == "1"
+    monkeypatch.setenv(FLASH_KERNEL_CACHE, "0")
+    assert not keep_flash_kernels() and os.environ[FLASH_KERNEL_CACHE] == "0"
+    monkeypatch.delenv(FLASH_KERNEL_CACHE)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", object())   # imported before: too late to turn it on
+    assert not keep_flash_kernels() and FLASH_KERNEL_CACHE not in os.environ
+    monkeypatch.delitem(sys.modules, "flash_attn.cute")
+    assert keep_flash_kernels() and os.environ[FLASH_KERNEL_CACHE] == "1"
 
 
 def test_greedy_generate_compiled_after_its_warm_up_compiles_nothing() -> None:

@@ -219,6 +219,11 @@ class PolicyCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states [B, Hkv, q_len, D]``, ``value_states [B, Hkv, q_len, Dv]`` to layer ``layer_idx``
         (deciding first when due) and return the layer's stored ``(keys, values)``, ``[B, Hkv, S, D]``."""
+        return self._checked_layer(key_states, value_states, layer_idx).update(key_states, value_states)
+
+    def _checked_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> PolicyLayer:
+        """Layer ``layer_idx``, once an ``update`` of ``key_states`` and ``value_states`` is checked (shapes, dims
+        across layers, the previous layer's queries)."""
         for name, tensor in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[2] == 0:
                 got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -232,7 +237,7 @@ class PolicyCache(Cache):
         previous = self.layers[layer_idx - 1] if 0 < layer_idx <= len(self.layers) else None
         if self.policy.uses_queries and previous is not None and previous.seen and not previous.observed:
             previous.missing_queries()  # its attention ran without handing over queries: fail at the first forward
-        return self._layer(layer_idx).update(key_states, value_states)
+        return self._layer(layer_idx)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:

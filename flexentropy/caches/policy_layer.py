@@ -85,6 +85,7 @@ class PolicyLayer(CacheLayerMixin):
         self.window: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}  # keys/values with `reserve` free slots (`_append`)
+        self._lent: set[str] = set()  # the names whose spare buffer another object lent (`lend`)
         self._pending: list[tuple[torch.Tensor, int]] = []
         self.seen = 0
         self.observed = 0
@@ -233,18 +234,34 @@ class PolicyLayer(CacheLayerMixin):
         self.settle()
         return result
 
+    def lend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold the next appends in ``keys [B, Hkv, C, D]`` and ``values [B, Hkv, C, Dv]``, buffers another object
+        owns (a `StaticLatentKVCache`'s prompt buffers), instead of buffers of the layer's own: with a `reserve`, an
+        append that fits them writes the entries to their front (design.md §2: a prompt's KV held once). An append
+        that does not fit, or a layer without a reserve, allocates as before."""
+        self._spare = {"keys": keys, "values": values}
+        self._lent = {"keys", "values"}
+
     def _append(self, name: str, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer, and the next
-        append writes into its free slots in place when ``stored`` is still that front (no eviction in between)."""
+        append writes into its free slots in place when ``stored`` is still that front (no eviction in between). A
+        buffer `lend` gave takes the entries wherever they are (copied to its front); a buffer of the layer's own is
+        left for a new one when they are elsewhere (after an eviction: the prompt-sized buffer is freed)."""
         if not self.reserve:
             return torch.cat([stored, new], dim=-2)
         used, total = stored.shape[-2], stored.shape[-2] + new.shape[-2]
         buffer = self._spare.get(name)
-        if (buffer is None or total > buffer.shape[-2] or stored.data_ptr() != buffer.data_ptr()
-                or stored.stride() != buffer.stride() or stored.shape[:2] != buffer.shape[:2]):
+        fits = (buffer is not None and total <= buffer.shape[-2] and stored.shape[:2] == buffer.shape[:2]
+                and stored.shape[-1] == buffer.shape[-1] and stored.dtype == buffer.dtype
+                and stored.device == buffer.device)
+        front = fits and (used == 0 or (stored.data_ptr() == buffer.data_ptr() and stored.stride() == buffer.stride()))
+        if not fits or not (front or name in self._lent):
             buffer = stored.new_empty(*stored.shape[:2], total + self.reserve, stored.shape[-1])
-            buffer[:, :, :used].copy_(stored)
             self._spare[name] = buffer
+            self._lent.discard(name)
+            front = used == 0
+        if not front:
+            buffer[:, :, :used].copy_(stored)
         buffer[:, :, used:total].copy_(new)
         return buffer[:, :, :total]
 

@@ -38,6 +38,11 @@ def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return buffer
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same elements (same address, shape and strides)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 class StaticBuffers:
     """One stage of a `StaticLatentKVCache`: ``capacity`` entries per KV head of every layer (module docstring).
 
@@ -91,7 +96,9 @@ class StaticBuffers:
               real: torch.Tensor | None, rows: slice | torch.Tensor = slice(None)) -> None:
         """Write entries to the front of layers ``layers``, batch rows ``rows`` (a slice, or int64 indices):
         ``keys [l * b, Hkv, S, D]``, ``values``, ``positions [l * b, Hkv, S]`` and ``real`` (None: every entry
-        real), stacked along the batch dim as `stacked` gives them; the slots after them are left as they are."""
+        real), stacked along the batch dim as `stacked` gives them; the slots after them are left as they are.
+        Entries already in place (a layer's keys and values that live in these buffers: `PolicyLayer.lend`) are not
+        copied."""
         stored, count = keys.shape[-2], len(layers)
         if stored >= self.capacity:
             raise RuntimeError(f"{stored} entries do not leave a free slot in static buffers of {self.capacity}")
@@ -101,7 +108,10 @@ class StaticBuffers:
         for name, tensor in entries.items():
             fronts = [buffer[:, :, :stored] for buffer in getattr(self, name)[chosen]]
             if isinstance(rows, slice):
-                torch._foreach_copy_([front[rows] for front in fronts], list(tensor.chunk(count)))
+                pairs = [(front[rows], part) for front, part in zip(fronts, tensor.chunk(count), strict=True)
+                         if not same_memory(front[rows], part)]
+                if pairs:
+                    torch._foreach_copy_([front for front, _ in pairs], [part for _, part in pairs])
             else:
                 for front, part in zip(fronts, tensor.chunk(count), strict=True):
                     front.index_copy_(0, rows, part)

@@ -5,8 +5,9 @@ Phases (design.md §2):
 
 1. the prompt and the first ``decode_delay`` generated tokens run on the dynamic path, one `PolicyLayer` per layer
    (the prompt's whole KV is held; its length varies from request to request); or, for a cache with
-   ``max_prompt_length``, the phase-1 steps run in the prompt buffers (``max_prompt_length + decode_delay`` entries
-   per KV head), static like phase 2;
+   ``max_prompt_length``, the prompt's keys and values are written into the prompt buffers
+   (``max_prompt_length + decode_delay`` entries per KV head; the layers read views of them, so the prompt's KV is
+   held once) and the phase-1 steps run there, static like phase 2;
 2. from the first decision point on, the buffers (``decode_budget + recompress_every`` entries per KV head).
 
 This class is the transformers-facing facade: the ``Cache`` API, which reads and writes the dynamic layers on the
@@ -69,11 +70,13 @@ class StaticLatentKVCache(LatentKVCache):
     and `reset` keeps them, so the recorded steps replay at the addresses they were recorded with. Another batch
     size after ``reset()`` allocates new buffers (and records the steps again).
 
-    With ``max_prompt_length``, phase 1 is static too: its first step copies the prompt's entries into prompt buffers
-    of ``max_prompt_length + decode_delay`` entries per KV head, kept across requests, and the ``decode_delay`` steps
-    before the first eviction run there as one more recorded step; a longer prompt runs its phase 1 on the dynamic
-    path. The decisions, and so the tokens, are the same either way; the prompt buffers hold as much as a dense
-    static cache of that length.
+    With ``max_prompt_length``, phase 1 is static too: the prompt's keys and values go straight into prompt buffers
+    of ``max_prompt_length + decode_delay`` entries per KV head, kept across requests (made at the first prompt, or
+    by `flexentropy.warm_up`), which the layers read as views, and the ``decode_delay`` steps before the first
+    eviction run there as one more recorded step; a longer prompt keeps tensors of its own and runs its phase 1 on
+    the dynamic path, beside the prompt buffers (size ``max_prompt_length`` for the longest prompt served). The
+    decisions, and so the tokens, are the same either way; the prompt buffers hold as much as a dense static cache
+    of that length, and the prompt's KV is held once.
 
     Args:
         config: the `EntropyConfig` (its ``decode_*`` fields and ``recompress_every``).
@@ -188,9 +191,17 @@ class StaticLatentKVCache(LatentKVCache):
             return layer.keys, layer.values
         self._check_layer_idx(layer_idx)
         if torch.compiler.is_compiling():
-            eager(PolicyCache.update, self, key_states, value_states, layer_idx)
+            eager(self._update_layer, key_states, value_states, layer_idx)
             return placeholder(key_states, value_states, self.capacity)
-        return super().update(key_states, value_states, layer_idx)
+        return self._update_layer(key_states, value_states, layer_idx)
+
+    def _update_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An update on the dynamic path: the layer checked (`PolicyCache.update`'s checks), lent the prompt buffers
+        where its entries fit there (`StaticPhase.lend_prompt`: a prompt's KV held once), then updated."""
+        layer = self._checked_layer(key_states, value_states, layer_idx)
+        self.static.lend_prompt(layer, key_states, value_states)
+        return layer.update(key_states, value_states)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:

@@ -134,6 +134,18 @@ class StaticPhase:
             raise ValueError(f"{self.owner} stores global-attention layers only; layers {sliding} attend a sliding "
                              f"window: use LatentKVCache")
 
+    def lend_prompt(self, layer: PolicyLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Before ``layer``'s update of ``keys [B, Hkv, L, D]`` and ``values`` on the dynamic path: where its entries
+        after the update and its `reserve` (the ``decode_delay`` slots of phase 1) fit the prompt buffers, lend them to
+        the layer (allocated at the first such update, kept after), so that its entries live there. A prompt's KV is
+        then held once, in the buffers its captured phase 1 reads, not in the layers' own tensors beside them; a
+        longer prompt keeps tensors of its own."""
+        prompt = self.prompt
+        if prompt is None or layer.stored + keys.shape[-2] + layer.reserve > prompt.capacity:
+            return
+        prompt.allocate(len(self.layers), keys, values)
+        layer.lend(prompt.keys[layer.layer_idx], prompt.values[layer.layer_idx])
+
     def _prompt_fits(self, first: PolicyLayer) -> bool:
         delay = self.config.decode_delay
         return (self.prompt is not None and first.evictions == 0 and first.ragged is None
@@ -178,7 +190,8 @@ class StaticPhase:
         return positions - self.padding[rows].repeat(layers)[:, None, None] >= 0
 
     def _enter_prompt(self) -> None:
-        """The first step of a captured phase 1: the layers' entries into the prompt buffers."""
+        """The first step of a captured phase 1: the layers' entries into the prompt buffers (their keys and values
+        are there already when `lend_prompt` lent them: only the positions and flags are written)."""
         first = self.layers[0]
         self.prompt.allocate(len(self.layers), first.keys, first.values)
         self._take_layers()
@@ -231,13 +244,15 @@ class StaticPhase:
 
     def _leave(self, q_len: int) -> None:
         """A later turn (``q_len`` tokens after decoding began): the entries and windows back to the layers, for the
-        dynamic path; a decision due now is taken before the turn's queries are handed over, as for every step."""
+        dynamic path; a decision due now is taken before the turn's queries are handed over, as for every step.
+
+        The layers get views of the stage's entries (nothing writes the buffers on the dynamic path; the layers copy
+        them when they append or evict), so that leaving the prompt buffers does not copy the prompt."""
         stage, progress = self.stage, self.counters.progress
         held, size = min(self.config.decode_window, progress.observed), self.config.decode_window
         for index, layer in enumerate(self.layers):
-            layer.adopt(stage.keys[index][:, :, :progress.stored].clone(),
-                        stage.values[index][:, :, :progress.stored].clone(),
-                        stage.positions[index][:, :, :progress.stored].clone(),
+            layer.adopt(stage.keys[index][:, :, :progress.stored], stage.values[index][:, :, :progress.stored],
+                        stage.positions[index][:, :, :progress.stored],
                         self.window[index][:, :, size - held:].clone(), self.padding, progress)
         self.stage = None
         self._decide_turn(q_len)

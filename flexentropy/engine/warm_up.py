@@ -1,10 +1,12 @@
 """`warm_up`: what a server will run, compiled (and on CUDA recorded) before its first request, through the same
 step driver as the requests (`flexentropy.engine.driver`); `load_artifacts`, inductor's compiled artifacts from a
-file. transformers is imported inside the functions."""
+file; `keep_flash_kernels`, flash-attn-4's compiled kernels kept on disk for the next process. transformers is
+imported inside the functions."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -15,6 +17,21 @@ import torch
 
 from flexentropy._checks import check_int
 from flexentropy.engine.loops import greedy_generate, served_config
+
+FLASH_KERNEL_CACHE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+"""flash-attn-4's switch of its persistent kernel cache: with ``1`` its compiled CuTe kernels (the prefill's FLASH
+backend, the decode kernel) are written to disk (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, by default a folder of the
+user's under the system's temporary directory) and a new process loads them instead of compiling them again; off by
+default in flash-attn-4."""
+
+
+def keep_flash_kernels() -> bool:
+    """Turn flash-attn-4's persistent kernel cache on (`FLASH_KERNEL_CACHE` set to ``1``) where the user has not set
+    the variable and ``flash_attn.cute`` is not imported yet (flash-attn-4 reads it once, at that import); whether the
+    variable says on now. A user's ``0`` is kept."""
+    if FLASH_KERNEL_CACHE not in os.environ and "flash_attn.cute" not in sys.modules:
+        os.environ[FLASH_KERNEL_CACHE] = "1"
+    return os.environ.get(FLASH_KERNEL_CACHE) == "1"
 
 
 def load_artifacts(path: Path) -> None:
@@ -53,6 +70,10 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     ``cache`` that will serve (reset after each warm-up prompt, and left empty): its buffers are then the ones the
     decode step was recorded with (CUDA graphs), so serving with it and ``cache.reset()`` between requests records
     nothing new.
+
+    flash-attn-4 compiles its CuTe kernels again in every process unless its persistent kernel cache is on: `warm_up`
+    turns it on (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``, `keep_flash_kernels`) where the variable is unset and
+    flash-attn-4 is not imported yet; set the variable to ``0`` to keep it off.
 
     Args:
         model: an HF causal LM switched by `flexentropy.enable`.
@@ -98,6 +119,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     extra = {} if compile_config is None else {"compile_config": compile_config}
     if artifacts is not None:
         load_artifacts(Path(artifacts))
+    keep_flash_kernels()
     serving = StaticLatentKVCache(config, model=model) if cache is None else cache
     seconds = {}
     for length in lengths:

@@ -3,7 +3,8 @@
 `enable` registers ``"flexentropy"`` in transformers' attention and mask interfaces (`register`: the functions of
 `flexentropy.integrations.attention` and `flexentropy.integrations.mask`), gives the model its own config, puts its
 `Settings` on it (`flexentropy.settings`, shared with every attention module's `LayerState`) and installs the hooks of
-`flexentropy.integrations.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. Only
+`flexentropy.integrations.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. It also runs the
+MLPs of long forwards over chunks of tokens (`flexentropy.surgery.chunked_mlp`), which `disable` undoes. Only
 `SUPPORTED_MODEL_TYPES`.
 """
 
@@ -18,6 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from flexentropy._checks import check_int
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.integrations import hooks
 from flexentropy.integrations.attention import attention_forward
@@ -27,12 +29,17 @@ from flexentropy.integrations.tensor_parallel import local_heads
 from flexentropy.policies import PrefillPolicy, make_prefill
 from flexentropy.settings import CONFIG_ATTR, SETTINGS_ATTR, Settings, check_prefill, settings_dict
 from flexentropy.sparse.kernel import COMPILED_DTYPES
+from flexentropy.surgery.chunked_mlp import MLP_CHUNK, chunk_mlp, chunked_tokens, mlp_modules
 
 ATTN_IMPLEMENTATION = "flexentropy"
 """The name under which flexentropy is registered in transformers' attention and mask interfaces."""
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 """``config.model_type`` values :func:`enable` accepts (each is tested against its dense twin)."""
+
+MLP_CHUNK_ATTR = "flexentropy_enabled_mlp_chunk"
+"""Attribute of a switched model holding the tokens per chunk `enable` gave its MLPs (absent: `enable` left them as
+they were), so that `disable` gives back whole only what `enable` chunked."""
 
 
 def register() -> None:
@@ -58,7 +65,7 @@ def check_supported(config: Any) -> None:
 
 
 def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
-           keep_plans: bool = True) -> PreTrainedModel:
+           keep_plans: bool = True, mlp_chunk: int | None = MLP_CHUNK) -> PreTrainedModel:
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Gives the model its own copy of its transformers config (another model built from the same config object keeps
@@ -81,6 +88,12 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         keep_plans: keep each layer's last prefill plans on its `LayerState` (``plans``). Pass False for prompts of
             several hundred thousand tokens: a plan's block table grows with the square of the length (1 GiB per
             layer at 1M tokens and 16 query heads); the prefill's density stays available either way.
+        mlp_chunk: the MLPs of a forward longer than this many tokens run over chunks of it (`fe.chunk_mlp`): an
+            MLP acts on each token alone, so the outputs are the same, and a long prompt's MLP activations are one
+            chunk's (at 128k tokens on the Llama-3.1-8B shape, 14 GiB for a whole-sequence MLP, 1.75 GiB for a
+            chunk of the default 16,384). Decode steps and shorter prompts run whole. ``None``: the MLPs are left
+            whole (and those an earlier `enable` chunked are given back whole). MLPs chunked by a call of
+            `fe.chunk_mlp` before `enable` keep their chunks; `disable` gives back whole the MLPs `enable` chunked.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
@@ -92,6 +105,8 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         knobs = {}
     config = check_config(config, optional=True)
     check_prefill(prefill)
+    if mlp_chunk is not None:
+        check_int("enable", "mlp_chunk", mlp_chunk, 1)
     check_supported(model.config)
     if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
         raise TypeError(f"flexentropy's sparse prefill runs compiled FlexAttention, which takes float16, bfloat16 or "
@@ -114,15 +129,32 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     for module in modules:
         setattr(module, STATE_ATTR, LayerState(settings, keep_plans=keep_plans))
     hooks.install(model, modules)
+    chunk_mlps(model, mlp_chunk)
     return model
+
+
+def chunk_mlps(model: PreTrainedModel, tokens: int | None) -> None:
+    """`enable`'s MLP chunks: ``tokens`` per chunk (None: whole) for MLPs that are whole or that `enable` chunked;
+    MLPs the user chunked (`chunk_mlp`) stay as they are. Records what it set on the model (`MLP_CHUNK_ATTR`)."""
+    owned = MLP_CHUNK_ATTR in vars(model)
+    if not mlp_modules(model) or (not owned and chunked_tokens(model) is not None):
+        return
+    if tokens is None:
+        if owned:
+            chunk_mlp(model, None)
+            delattr(model, MLP_CHUNK_ATTR)
+        return
+    chunk_mlp(model, tokens)
+    setattr(model, MLP_CHUNK_ATTR, tokens)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
     """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hooks`), its
-    attention back to SDPA, its `Settings`, its layers' states and ``model.config.flexentropy`` dropped. A model that
-    was not enabled is returned unchanged."""
+    attention back to SDPA, the MLPs `enable` chunked whole again, its `Settings`, its layers' states and
+    ``model.config.flexentropy`` dropped. A model that was not enabled is returned unchanged."""
     if not hooks.remove(model):
         return model
+    chunk_mlps(model, None)
     for module in attention_modules(model):
         vars(module).pop(STATE_ATTR, None)
     vars(model).pop(SETTINGS_ATTR, None)
@@ -134,20 +166,22 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
 
 @contextlib.contextmanager
 def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefill: str | PrefillPolicy = "entropy",
-            keep_plans: bool = True) -> Iterator[PreTrainedModel]:
+            keep_plans: bool = True, mlp_chunk: int | None = MLP_CHUNK) -> Iterator[PreTrainedModel]:
     """``with fe.enabled(model, cfg): ...``: `enable` on entry (arguments as `enable`); on exit the model as it was:
     `disable` for a model that was not enabled, else `enable` again with the settings it had."""
     previous = vars(model).get(SETTINGS_ATTR) if hooks.installed(model) else None
     modules = attention_modules(model)
     kept = getattr(modules[0], STATE_ATTR).keep_plans if previous is not None and modules else True
-    enable(model, config, prefill=prefill, keep_plans=keep_plans)
+    chunk = vars(model).get(MLP_CHUNK_ATTR)
+    enable(model, config, prefill=prefill, keep_plans=keep_plans, mlp_chunk=mlp_chunk)
     try:
         yield model
     finally:
         if previous is None:
             disable(model)
         else:
-            enable(model, prefill=make_prefill(previous.prefill, previous.config, **previous.knobs), keep_plans=kept)
+            enable(model, prefill=make_prefill(previous.prefill, previous.config, **previous.knobs), keep_plans=kept,
+                   mlp_chunk=chunk)
 
 
 def own_config(model: PreTrainedModel) -> None:

@@ -35,6 +35,9 @@ Parts:
   (``--tasks``, ``--samples`` each) at 32768 (131072) tokens, greedy, ``--group`` samples per ``generate``: one row
   per sample; the summary gives each task's mean score and its 95% Wilson interval. Past the model's context, YaRN
   by ``--yarn`` (vLLM's ``hf_overrides``); the plugin with its defaults.
+* ``smoke``: `profiling/gpu_smoke.py`'s vLLM path: the Llama-3.1-8B shape cut to ``--smoke-layers`` layers, dummy
+  weights, one prompt of ``--smoke-length`` tokens generated to 8 tokens with their log-probabilities, and the
+  plugin's counters (chunks run sparse and dense). Not in the default ``--parts``.
 * ``serve``: ``vllm serve`` on ``--model``'s folder (YaRN as above) with chunked prefill on, one completion request
   of a needle in ``--serve-length`` tokens of essays through the HTTP API; the reply, whether it holds the needle, and
   the server's ``flexentropy:`` log lines (the plugin's start-up line and its counters).
@@ -67,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIDES = ("vllm", "flexentropy")
-PARTS = ("ttft", "rpm256", "rpm2048", "ttft512", "quality32k", "quality128k", "serve")
+PARTS = ("ttft", "rpm256", "rpm2048", "ttft512", "quality32k", "quality128k", "serve", "smoke")
 TTFT_PARTS = ("ttft", "ttft512")
 NEW_TOKENS = {"rpm256": 256, "rpm2048": 2048}
 QUALITY_LENGTHS = {"quality32k": 32768, "quality128k": 131072}
@@ -318,6 +321,35 @@ def run_ttft(job: Job, rec: Recorder) -> None:
             return
 
 
+def run_smoke(job: Job, rec: Recorder) -> None:
+    from vllm import SamplingParams
+
+    a = job.ns
+    name = f"smoke_{a.smoke_length}"
+    if rec.has(name):
+        return
+    shape = TINY_LLAMA if a.tiny else {**LLAMA_8B, "num_hidden_layers": a.smoke_layers}
+
+    def measure() -> None:
+        folder = Path(a.work) / f"smoke_{shape['num_hidden_layers']}_layers{'_tiny' if a.tiny else ''}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(shape, indent=2), encoding="utf-8")
+        start = time.perf_counter()
+        llm = make_llm(job, folder, a.smoke_length + 64, load_format="dummy", skip_tokenizer_init=True)
+        started = time.perf_counter() - start
+        llm.collective_rpc(worker_reset)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False, logprobs=0)
+        start = time.perf_counter()
+        out = llm.generate([random_prompt(a.smoke_length, shape["vocab_size"], seed=1)], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        sample = out[0].outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+        rec.write(name, context=a.smoke_length, start_s=started, seconds=seconds, tokens=list(sample.token_ids),
+                  logprobs=logprobs, chunk=chunk_size(llm), counters=counters(llm))
+
+    rec.attempt([name], measure)
+
+
 def rpm_name(a: argparse.Namespace, part: str) -> str:
     return f"rpm_{a.requests}x{a.batch_context}+{NEW_TOKENS[part]}"
 
@@ -544,6 +576,8 @@ def run_job(job: Job) -> None:
         run_rpm(job, rec)
     elif job.part == "serve":
         run_serve(job, rec)
+    elif job.part == "smoke":
+        run_smoke(job, rec)
     else:
         run_quality(job, rec)
 
@@ -617,6 +651,8 @@ def job_names(job: Job) -> list[str]:
         return [rpm_name(a, job.part)]
     if job.part == "serve":
         return [f"serve_{a.serve_length}"]
+    if job.part == "smoke":
+        return [f"smoke_{a.smoke_length}"]
     return quality_names(a, job.part)
 
 
@@ -651,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/vllm/serving.jsonl")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "flexentropy_vllm_serving",
                    help="scratch folder: model configs, converted models, the plugin's entry point, server logs")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=[p for p in PARTS if p != "smoke"])
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="every part small (on the CPU: checks the harness)")
@@ -674,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--yarn", type=float, default=4.0, help="YaRN factor past the model's context")
     p.add_argument("--serve-length", type=int, default=131072)
     p.add_argument("--serve-timeout", type=float, default=1800)
+    p.add_argument("--smoke-length", type=int, default=32768)
+    p.add_argument("--smoke-layers", type=int, default=3)
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
@@ -682,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         tiny = {"contexts": [2048, 3072], "long_contexts": [4096], "warm_length": 1536, "requests": 4,
                 "batch_context": 1536, "samples": 2, "group": 2, "tasks": list(NEEDLE_TASKS[:2]),
-                "serve_length": 2048, "serve_timeout": 900, "max_num_batched_tokens": 512}
+                "serve_length": 2048, "serve_timeout": 900, "max_num_batched_tokens": 512, "smoke_length": 3000}
         for name, value in tiny.items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)

@@ -4,7 +4,7 @@ The BlockMask is built *inside* the compiled region from the plan's tensors, and
 ``dynamic=True``, so a new sequence length reuses the same graph instead of recompiling (each compile costs
 seconds; past ``torch._dynamo.config.recompile_limit`` recompiles, flex would silently fall back to the eager
 path that materialises every score: an out-of-memory at long N). Hitting the limit raises instead. A chunk's
-offset (the position of its first row) enters as a 0-d tensor on the device, so a new offset is no guard either.
+offset (the position of its first row) is no guard either (`kernel_offset`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
                      tensors: tuple[torch.Tensor, ...], block_size: int, scale: float | None,
                      options: dict[str, object] | None, table_mask_mod: bool,
-                     offset: int | torch.Tensor) -> torch.Tensor:
+                     offset: int | torch.Tensor | None) -> torch.Tensor:
+    if offset is None:   # the rows end with the keys: the offset is the difference of the lengths (`kernel_offset`)
+        offset = k.shape[-2] - q.shape[-2]
     block_mask = make_block_mask(blocks, (q.shape[-2], k.shape[-2]), block_size, tensors, table_mask_mod, offset)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
@@ -119,12 +121,24 @@ def kernel_rows(plan: SparsePlan) -> tuple[int, torch.Tensor]:
     return plan.row_start - Q_BLOCK_SIZE, torch.cat([empty, plan.blocks], dim=-2)
 
 
-def kernel_offset(start: int, device: torch.device) -> int | torch.Tensor:
-    """The position of the kernel's first row as its ``mask_mod`` reads it: a 0-d int32 tensor on the device (filled:
-    no host copy, no sync), so that a new offset is no guard on the compiled kernel. Inside an outer
-    ``torch.compile`` the int itself: the outer graph decides what is dynamic, and torch's CPU flex template takes no
-    tensor made inside the graph nor a captured scalar (its lowering fails), so a whole prompt's offset of 0 must
-    leave the ``mask_mod`` capturing nothing (`causal_mask_mod`)."""
+def kernel_offset(start: int, device: torch.device) -> int | torch.Tensor | None:
+    """How the kernel's ``mask_mod`` learns the position ``start`` of its first query row (its rows end with the
+    keys, so ``start`` is the key length minus the row count), in the one form each compiled flex template takes:
+
+    - CUDA: None, the offset read from the shapes of q and k inside the compiled region (``k.shape[-2] -
+      q.shape[-2]``: symbols of the inputs' sizes, no capture). The FLASH template (flash-attn-4, torch 2.11)
+      fails on a captured 0-d tensor (it indexes every load, and a 0-d load's index is the constant 0: "Expected
+      TensorSSA, but got int") and refuses captured scalars other than input sizes;
+    - elsewhere: a 0-d int32 tensor on the device (filled: no host copy, no sync), since torch's CPU flex template
+      takes no symbolic expression among a ``mask_mod``'s captures; inside an outer ``torch.compile`` the int
+      itself (that template takes no tensor made inside the graph either), so that a whole prompt's offset of 0
+      captures nothing (`causal_mask_mod`).
+
+    A new offset or length is no guard on the kernel's own compiled region. tests/test_sparse_kernel_contract.py
+    holds the CUDA form to what the FLASH template takes.
+    """
+    if device.type == "cuda":
+        return None
     if torch.compiler.is_compiling():
         return start
     return torch.full((), start, dtype=torch.int32, device=device)

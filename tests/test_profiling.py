@@ -115,3 +115,41 @@ def test_coldstart_row_attributes_the_warm_up(tmp_path: Path, monkeypatch: pytes
     assert any(function.endswith("(warm_up)") for function in functions) and row["top_own"]
     assert (tmp_path / "cold_second_warm_up.txt").read_text().count("warm_up") >= 1
     assert row["flash_attn_cache_env"] == {"before": None, "after": "1"}
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_every_path_tiny_on_cpu(tmp_path: Path) -> None:
+    """``profiling/gpu_smoke.py --device cpu --tiny``: the environment line, then a covering and a defaults row for
+    every path (the CPU's one kernel, every prefill policy), all green; the covering rows equal dense, the defaults
+    ran sparse layers and evicted."""
+    import flexentropy as fe
+
+    smoke = script("gpu_smoke")
+    out = tmp_path / "smoke.jsonl"
+    code = smoke.main(["--device", "cpu", "--tiny", "--length", "2000", "--layers", "2", "--new-tokens", "20",
+                       "--no-vllm", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0 and rows[0]["path"] == "environment" and rows[0]["card"] == "cpu"
+    paths = ["kernel/auto", "enable/auto", "latent", "static", "batch", "module",
+             *(f"policy/{name}" for name in fe.PREFILL_POLICIES)]
+    assert [(r["path"], r["variant"]) for r in rows[1:]] == [(p, v) for p in paths for v in ("covering", "defaults")]
+    assert all(r["ok"] for r in rows)
+    by = {(r["path"], r["variant"]): r for r in rows[1:]}
+    assert by["enable/auto", "covering"]["density"] == 1.0 and by["enable/auto", "defaults"]["density"] < 1.0
+    assert by["latent", "covering"]["evicted"] is False and by["latent", "defaults"]["evicted"] is True
+    assert max(by["enable/auto", "defaults"]["attention_rel_err"]) > 0     # the comparison sees a sparse plan
+
+
+def test_gpu_smoke_reports_a_mismatch_as_a_failed_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A covering path that differs from dense is a failed row with its numbers, and the run's status is 1."""
+    smoke = script("gpu_smoke")
+    monkeypatch.setattr(smoke, "OUTPUT_TOL", -1.0)
+    out = tmp_path / "smoke.jsonl"
+    code = smoke.main(["--device", "cpu", "--tiny", "--length", "1200", "--layers", "2", "--paths", "kernel",
+                       "--no-vllm", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 1
+    assert [(r["path"], r["variant"], r["ok"]) for r in rows[1:]] == [("kernel/auto", "covering", False),
+                                                                      ("kernel/auto", "defaults", True)]
+    assert rows[1]["error"].startswith("Mismatch: covering plans differ from dense attention")
+    assert rows[1]["frames"]

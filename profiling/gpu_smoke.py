@@ -202,6 +202,7 @@ def generate(model: Any, ids: torch.Tensor, cache: Any, new: int) -> tuple[torch
 
 def same_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     """Leading tokens on which ``a`` and ``b`` agree."""
+    a, b = a.cpu(), b.cpu()
     differ = (a[: len(b)] != b[: len(a)]).nonzero()
     return int(differ[0]) if len(differ) else min(len(a), len(b))
 

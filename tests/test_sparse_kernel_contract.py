@@ -1,10 +1,13 @@
 """What the sparse kernel's ``mask_mod`` may capture, in the form each compiled flex template takes (issue 64).
 
-The FLASH template (flash-attn-4 through Inductor's CuteDSL codegen, torch 2.11) indexes every load a ``mask_mod``
-makes with a value of the row or column: a captured 0-d tensor's load has the constant index 0, and the kernel fails
-to build ("Expected TensorSSA, but got int"); a captured scalar that is not a size of the inputs is refused. So on
-CUDA the kernel's mask may read nothing but the sizes of its inputs. CI has no GPU and no flash-attn-4: these tests
-hold the form on the CPU, through the graph dynamo hands to the backend, where the template would receive it.
+A chunk's rows start at an offset, which the mask reads (`kernel_offset`). What each GPU template took on torch 2.11
+(H100, docs/results/gpu_smoke/): the FLASH template (flash-attn-4 through Inductor's CuteDSL codegen) turns every
+index of a captured load into a register value and fails on a constant one, so a captured 0-d tensor (index 0)
+crashed every FLASH prefill ("Expected TensorSSA, but got int", daa89d9); a symbolic expression of the input sizes
+(``k.shape[-2] - q.shape[-2]``) fails on both GPU templates ("Missing operation: index_expr" on FLASH,
+"'ShapeAsConstantBuffer' object has no attribute 'dtype'" on Triton; 21403d1). CI has no GPU and no flash-attn-4:
+these tests hold each form on the CPU, through the graph dynamo hands to the backend, where the template would
+receive it, and check that the forms compute the same attention.
 """
 
 from __future__ import annotations
@@ -13,15 +16,22 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._dynamo.source import TensorPropertySource
 
 from flexentropy.sparse.kernel import _flex_over_table, kernel_offset, kernel_rows, pad_rows
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, causal_blocks
 
-CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
 
 
-def mask_captures(fn: Callable[..., torch.Tensor], *args: object) -> list[object]:
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles the kernel's code object for its own backend: drop those entries after it, so that they
+    count toward no recompile limit of the library's own compiled calls in later tests."""
+    yield
+    torch._dynamo.reset()
+
+
+def mask_captures(fn: Callable[..., torch.Tensor], *args: object, dynamic: bool = True) -> list[object]:
     """What the ``mask_mod`` of every flex attention call in ``fn(*args)`` captures, as dynamo's graph hands it to
     the backend (compiled as the kernel is: ``dynamic=True``, one graph): the example values (tensors, SymInts)."""
     graphs: list[torch.fx.GraphModule] = []
@@ -30,56 +40,95 @@ def mask_captures(fn: Callable[..., torch.Tensor], *args: object) -> list[object
         graphs.append(gm)
         return gm.forward
 
-    torch.compile(lambda *a: fn(*a), backend=record, dynamic=True, fullgraph=True)(*args)
-    captured = []
-    for gm in graphs:
-        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention):
-            captured += [arg.meta["example_value"] if isinstance(arg, torch.fx.Node) else arg for arg in node.args[8]]
-    assert graphs and captured is not None
-    return captured
+    torch.compile(lambda *a: fn(*a), backend=record, dynamic=dynamic, fullgraph=True)(*args)
+    calls = [node for gm in graphs
+             for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)]
+    assert calls, "no flex attention call in the graph"
+    return [arg.meta["example_value"] if isinstance(arg, torch.fx.Node) else arg
+            for node in calls for arg in node.args[8]]
 
 
-def flash_violations(captured: list[object]) -> list[str]:
-    """The captures the FLASH template cannot take: any tensor, and any scalar symbol that is not an input's size."""
+def violations(captured: list[object], flash: bool) -> list[str]:
+    """The captures a GPU template cannot take: a symbolic scalar other than a symbol of a captured tensor's size (the
+    bound of a gather, which the templates do not compute with; anything else is arithmetic on a symbol, which
+    neither template has), and on FLASH a tensor whose load index is a constant (0-d, or one element in every dim)."""
+    sizes = {symbol for value in captured if isinstance(value, torch.Tensor)
+             for size in value.shape if isinstance(size, torch.SymInt) for symbol in size.node.expr.free_symbols}
     bad = []
     for value in captured:
-        if isinstance(value, torch.Tensor):
-            bad.append(f"a tensor of shape {tuple(value.shape)}")
-        elif isinstance(value, torch.SymInt):
-            env = value.node.shape_env
-            for symbol in value.node.expr.free_symbols:
-                if not any(isinstance(s, TensorPropertySource) for s in env.var_to_sources.get(symbol, [])):
-                    bad.append(f"the scalar {symbol}, not a size of the inputs")
+        if isinstance(value, torch.SymInt | torch.SymFloat) and value.node.expr not in sizes:
+            bad.append(f"the symbolic scalar {value.node.expr}")
+        elif flash and isinstance(value, torch.Tensor) and all(size == 1 for size in value.shape):
+            bad.append(f"a tensor of shape {tuple(value.shape)}, read at a constant index")
     return bad
 
 
-def kernel_call(n: int, q_start: int, offset_device: torch.device) -> tuple[object, ...]:
+def kernel_call(n: int, q_start: int, template: str, offset: object = None) -> tuple[object, ...]:
     """The arguments `run_plan` hands its compiled region for a covering plan of the queries ``q_start .. n - 1``
-    (CPU tensors), with the offset in the form `kernel_offset` gives on ``offset_device``."""
+    (CPU tensors), the offset in the form `kernel_offset` gives for the template (or ``offset``)."""
     gen = torch.Generator().manual_seed(n + q_start)
     q, k, v = (torch.randn(1, h, m, 64, generator=gen) for h, m in ((4, n - q_start), (2, n), (2, n)))
     blocks = causal_blocks(n, 128, q_start=q_start)[None, None].expand(1, 4, -1, -1).clone()
     start, blocks = kernel_rows(SparsePlan(blocks, n, 128, q_start=q_start))
-    tensors = block_mask_tensors(blocks, n, 128, start)
-    return (pad_rows(q, q_start - start), k, v, blocks, tensors, 128, None, None, False,
-            kernel_offset(start, offset_device))
+    rows = pad_rows(q, q_start - start)
+    if offset is None:
+        offset = kernel_offset(start, rows.shape[-2], CPU, template)
+    return rows, k, v, blocks, block_mask_tensors(blocks, n, 128, start), 128, None, None, False, offset
 
 
-@pytest.mark.parametrize(("n", "q_start"), [(1000, 0), (1000, 384), (1000, 300), (1000, 999)])
-def test_the_cuda_kernel_mask_captures_only_input_sizes(n: int, q_start: int) -> None:
-    """Whole prompts and chunks at an offset (on and off the 128 grid), as the compiled region sees them."""
-    assert kernel_offset(q_start, CUDA) is None
-    assert flash_violations(mask_captures(_flex_over_table, *kernel_call(n, q_start, CUDA))) == []
+CHUNKS = [(1000, 0), (1000, 100), (1000, 384), (1000, 300), (1000, 999)]
 
 
-def test_inside_an_outer_compile_the_cuda_kernel_mask_captures_only_input_sizes() -> None:
-    """A model the user compiles whole: the kernel's region is traced into the outer graph."""
+@pytest.mark.parametrize("template", ["flash", "triton"])
+@pytest.mark.parametrize(("n", "q_start"), CHUNKS)
+def test_each_template_gets_an_offset_it_takes(n: int, q_start: int, template: str) -> None:
+    """Whole prompts and chunks inside the first query block capture nothing; later chunks one tensor: the rows'
+    positions on FLASH, a 0-d tensor on Triton."""
+    captured = mask_captures(_flex_over_table, *kernel_call(n, q_start, template))
+    assert violations(captured, template == "flash") == []
+    shapes = [tuple(value.shape) for value in captured if isinstance(value, torch.Tensor)]
+    if q_start < 128:
+        assert shapes == []
+    else:
+        assert len(shapes) == 1 and len(shapes[0]) == (1 if template == "flash" else 0)
+
+
+@pytest.mark.parametrize("template", ["flash", "triton"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inside_an_outer_compile_the_offset_is_made_in_the_graph(template: str, dynamic: bool) -> None:
+    """A model the user compiles whole, the chunk's start an int of the outer graph (a constant, or a symbol once
+    dynamo makes it dynamic): the offset's tensor is made inside that graph, in the template's form."""
     for q_start in (0, 384):
-        args = kernel_call(1000, q_start, CUDA)
-        assert flash_violations(mask_captures(lambda *a: _flex_over_table(*a) * 1.0, *args)) == []
+        args = kernel_call(1000, q_start, template, offset=0)
+        start = q_start - q_start % 128
+
+        def outer(*a: object) -> torch.Tensor:
+            s = a[-1]
+            return _flex_over_table(*a[:-1], kernel_offset(s, a[0].shape[-2], CPU, template)) * 1.0
+
+        captured = mask_captures(outer, *args[:-1], start, dynamic=dynamic)
+        assert violations(captured, template == "flash") == []
+        assert len(captured) == (0 if q_start < 128 else 1 + (template == "flash" and dynamic))
 
 
-def test_the_check_flags_the_form_that_crashed_the_flash_template() -> None:
-    """daa89d9's offset, a 0-d device tensor, which the CPU kernel still takes: the check above must see it."""
-    captured = mask_captures(_flex_over_table, *kernel_call(1000, 384, torch.device("cpu")))
-    assert flash_violations(captured) == ["a tensor of shape ()"]
+@pytest.mark.parametrize(("n", "q_start"), CHUNKS)
+def test_the_forms_compute_the_same_attention(n: int, q_start: int) -> None:
+    """The compiled CPU kernel with the FLASH form (the rows' positions) equals it with the 0-d form."""
+    compiled = torch.compile(_flex_over_table, dynamic=True, fullgraph=True)
+    flash, other = (compiled(*kernel_call(n, q_start, template)) for template in ("flash", "triton"))
+    torch.testing.assert_close(flash, other, rtol=0, atol=0)
+
+
+def test_the_check_flags_the_forms_that_failed_on_the_gpu() -> None:
+    """daa89d9's 0-d tensor on FLASH, and 21403d1's size expression on both templates."""
+    zero_d = torch.full((), 384, dtype=torch.int32)
+    assert violations(mask_captures(_flex_over_table, *kernel_call(1000, 384, "flash", zero_d)), flash=True) == [
+        "a tensor of shape (), read at a constant index"]
+
+    def from_shapes(*args: object) -> torch.Tensor:
+        q, k = args[0], args[1]
+        return _flex_over_table(*args[:-1], k.shape[-2] - q.shape[-2])
+
+    captured = mask_captures(from_shapes, *kernel_call(1000, 384, "flash", 0))
+    for flash in (True, False):
+        assert [v.split(" ")[1] for v in violations(captured, flash)] == ["symbolic"]

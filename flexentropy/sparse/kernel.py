@@ -22,6 +22,9 @@ from flexentropy._compile import keep_dynamic, no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, make_block_mask
 
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+"""flex ``kernel_options`` of the FLASH backend (flash-attn-4's CuTe kernels)."""
+
 COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes of the compiled kernel (Inductor has no float64 FlexAttention)."""
 
@@ -60,7 +63,7 @@ def kernel_options(backend: str, device: torch.device, block_size: int,
         if not flash_available():
             raise ValueError("backend='flash' needs flash-attn-4 (`pip install flash-attn-4`); "
                              "use backend='auto' to fall back to Triton")
-        return {"BACKEND": "FLASH"}
+        return FLASH_OPTIONS
     return {"BLOCK_N": block_size} if block_size < 128 else None
 
 
@@ -98,9 +101,7 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
                      tensors: tuple[torch.Tensor, ...], block_size: int, scale: float | None,
                      options: dict[str, object] | None, table_mask_mod: bool,
-                     offset: int | torch.Tensor | None) -> torch.Tensor:
-    if offset is None:   # the rows end with the keys: the offset is the difference of the lengths (`kernel_offset`)
-        offset = k.shape[-2] - q.shape[-2]
+                     offset: int | torch.Tensor) -> torch.Tensor:
     block_mask = make_block_mask(blocks, (q.shape[-2], k.shape[-2]), block_size, tensors, table_mask_mod, offset)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=options)
@@ -121,26 +122,35 @@ def kernel_rows(plan: SparsePlan) -> tuple[int, torch.Tensor]:
     return plan.row_start - Q_BLOCK_SIZE, torch.cat([empty, plan.blocks], dim=-2)
 
 
-def kernel_offset(start: int, device: torch.device) -> int | torch.Tensor | None:
-    """How the kernel's ``mask_mod`` learns the position ``start`` of its first query row (its rows end with the
-    keys, so ``start`` is the key length minus the row count), in the one form each compiled flex template takes:
+def kernel_template(options: dict[str, object] | None, device: torch.device) -> str:
+    """The compiled flex template that runs the kernel: ``"flash"``, ``"triton"`` or ``"cpu"``."""
+    if options == FLASH_OPTIONS:
+        return "flash"
+    return "triton" if device.type == "cuda" else "cpu"
 
-    - CUDA: None, the offset read from the shapes of q and k inside the compiled region (``k.shape[-2] -
-      q.shape[-2]``: symbols of the inputs' sizes, no capture). The FLASH template (flash-attn-4, torch 2.11)
-      fails on a captured 0-d tensor (it indexes every load, and a 0-d load's index is the constant 0: "Expected
-      TensorSSA, but got int") and refuses captured scalars other than input sizes;
-    - elsewhere: a 0-d int32 tensor on the device (filled: no host copy, no sync), since torch's CPU flex template
-      takes no symbolic expression among a ``mask_mod``'s captures; inside an outer ``torch.compile`` the int
-      itself (that template takes no tensor made inside the graph either), so that a whole prompt's offset of 0
-      captures nothing (`causal_mask_mod`).
 
-    A new offset or length is no guard on the kernel's own compiled region. tests/test_sparse_kernel_contract.py
-    holds the CUDA form to what the FLASH template takes.
+def kernel_offset(start: int, rows: int, device: torch.device, template: str) -> int | torch.Tensor:
+    """The position ``start`` of the kernel's first query row (of ``rows``), in the form its ``mask_mod`` reads
+    (`flexentropy.sparse.plan.query_position`) that ``template`` (`kernel_template`) takes, so that a new offset is
+    no guard on the compiled kernel:
+
+    - 0 (a whole prompt, or a chunk inside the first query block): the int; the mask captures nothing;
+    - ``"flash"`` (flash-attn-4): the rows' positions, an int32 vector ``[ceil(rows / 128) * 128 + 128]`` read at the
+      row (``positions[q_idx]``). That template turns every index of a captured load into a register value and fails
+      on a constant one, as a 0-d tensor's (index 0: "Expected TensorSSA, but got int", issue 64), and has no
+      arithmetic on symbolic sizes (``k.shape[-2] - q.shape[-2]``: "Missing operation: index_expr"). The vector
+      covers the rows of the last 128-row tile, which the kernel masks but still reads;
+    - ``"triton"`` and ``"cpu"``: a 0-d int32 tensor (Triton's template also refuses the symbolic expression).
+
+    The tensors are filled on the device (no host copy, no sync). Inside an outer ``torch.compile`` they are made in
+    the outer graph, except on the CPU, whose template takes no tensor made inside the graph: there the int itself.
+    tests/test_sparse_kernel_contract.py holds each form to what its template takes.
     """
-    if device.type == "cuda":
-        return None
-    if torch.compiler.is_compiling():
+    if start == 0 or template == "cpu" and torch.compiler.is_compiling():
         return start
+    if template == "flash":
+        span = -(-rows // Q_BLOCK_SIZE) * Q_BLOCK_SIZE + Q_BLOCK_SIZE
+        return torch.arange(start, start + span, dtype=torch.int32, device=device)
     return torch.full((), start, dtype=torch.int32, device=device)
 
 
@@ -162,13 +172,16 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
     start, blocks = kernel_rows(plan)
     pad = plan.q_start - start
     rows = pad_rows(q, pad)                                                      # [B, Hq, pad + M, D]
-    offset = kernel_offset(start, q.device)
     tensors = block_mask_tensors(blocks, plan.seq_len, plan.block_size, start)
     if not compiled:
+        offset = kernel_offset(start, rows.shape[-2], q.device, kernel_template(None, q.device))
         return _flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, None, True, offset)[..., pad:, :]
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
+    offset = kernel_offset(start, rows.shape[-2], q.device, kernel_template(options, q.device))
     keep_dynamic(*tensors[0::2], dims=(-1,))        # C_Q of the counts [B, H, C_Q]
     keep_dynamic(*tensors[1::2], dims=(-2, -1))     # C_Q, C_B of the indices [B, H, C_Q, C_B]
+    if isinstance(offset, torch.Tensor) and offset.dim():
+        keep_dynamic(offset, dims=(0,))
     with compiled_region():
         out = _compiled_flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, options, False, offset)
     return out[..., pad:, :].masked_fill(nan_rows(q, k, v, plan.q_start), float("nan"))

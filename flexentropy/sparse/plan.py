@@ -71,24 +71,33 @@ def partial_blocks(seq_len: int, block_size: int, device: torch.device | str | N
     return crosses | kv_tail[None, :] | q_tail[:, None]
 
 
+def query_position(q_idx: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
+    """The position of the kernel's query row ``q_idx`` whose rows start at ``offset``: ``q_idx + offset`` for an int
+    or a 0-d tensor, ``offset[q_idx]`` for a vector of the rows' positions (the forms of
+    `flexentropy.sparse.kernel.kernel_offset`)."""
+    if isinstance(offset, torch.Tensor) and offset.dim() == 1:
+        return offset[q_idx]
+    return q_idx + offset
+
+
 def block_table_mask_mod(blocks: torch.Tensor, block_size: int, offset: int | torch.Tensor = 0) -> MaskMod:
-    """``mask_mod`` reading the block table: ``blocks[b, h, q // 128, kv // block_size] & (q + offset >= kv)``, the
-    query ``q`` at position ``q + offset`` (a chunk's rows start at ``offset``, a multiple of 128)."""
+    """``mask_mod`` reading the block table: ``blocks[b, h, q // 128, kv // block_size] & (position(q) >= kv)``, the
+    query row ``q`` at `query_position` (a chunk's rows start at ``offset``, a multiple of 128)."""
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return blocks[b, h, q_idx // Q_BLOCK_SIZE, kv_idx // block_size] & (q_idx + offset >= kv_idx)
+        return blocks[b, h, q_idx // Q_BLOCK_SIZE, kv_idx // block_size] & (query_position(q_idx, offset) >= kv_idx)
 
     return mask_mod
 
 
 def causal_mask_mod(offset: int | torch.Tensor = 0) -> MaskMod:
-    """``mask_mod`` of causal attention whose query ``q`` is at position ``q + offset`` (bottom-right aligned for a
+    """``mask_mod`` of causal attention whose query row ``q`` is at `query_position` (bottom-right aligned for a
     chunk of queries after ``offset`` earlier keys). An int offset of 0 captures nothing (`aligned_causal`)."""
     if isinstance(offset, int) and offset == 0:
         return aligned_causal
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return q_idx + offset >= kv_idx
+        return query_position(q_idx, offset) >= kv_idx
 
     return mask_mod
 
@@ -131,8 +140,8 @@ def make_block_mask(blocks: torch.Tensor, lengths: tuple[int, int], block_size: 
     """Build the BlockMask of a block table ``[B, H, C_Q, C_B]`` (works eagerly and inside ``torch.compile``).
 
     ``lengths`` is ``(rows, keys)``: the kernel's query rows start at position ``offset`` (a multiple of 128; 0 for a
-    whole prompt), the keys at 0; ``offset`` may be a 0-d tensor (a compiled caller's: no guard on it). ``tensors``
-    are the table's `block_mask_tensors`.
+    whole prompt), the keys at 0; ``offset`` may be a tensor (`query_position`; a compiled caller's: no guard on
+    it). ``tensors`` are the table's `block_mask_tensors`.
 
     ``table_mask_mod=False`` gives the block-sparse kernel a plain causal ``mask_mod`` (`causal_mask_mod`): the
     kernel evaluates ``mask_mod`` only inside listed partial blocks, where the table is True, so both compute the

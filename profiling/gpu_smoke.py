@@ -9,7 +9,7 @@ attention output, and the greedy tokens); ``defaults``, the library's defaults (
 evictions are counted). The paths, at ``--length`` tokens (32,768) where they are about long prompts:
 
 * ``kernel/flash``, ``kernel/triton``: `fe.sparse_prefill_attention` on plain tensors, a whole prompt, a chunk at an
-  offset (the chunk API), and both inside a ``torch.compile`` of the caller's;
+  offset (the chunk API), and both again with their plans inside a ``torch.compile`` of the caller's (CUDA);
 * ``enable/flash``, ``enable/triton``: `fe.enable` + ``model.generate`` on each kernel;
 * ``latent``: `fe.LatentKVCache` through ``generate``;
 * ``static``: `fe.StaticLatentKVCache` + `fe.warm_up` + ``generate``, and `fe.greedy_generate`;
@@ -283,19 +283,22 @@ def kernel(smoke: Smoke, backend: str, covering: bool) -> dict[str, Any]:
     cfg = smoke.config(covering, backend=backend)
     q_start = n // 2 + 300
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    outer = torch.compile(lambda q_, k_, v_, s: fe.sparse_prefill_attention(q_, k_, v_, cfg, q_start=s))
+    chunk = q[..., q_start:, :]
     runs = {
         "whole": fe.sparse_prefill_attention(q, k, v, cfg),
-        "chunk": fe.sparse_prefill_attention(q[..., q_start:, :], k, v, cfg, q_start=q_start),
+        "chunk": fe.sparse_prefill_attention(chunk, k, v, cfg, q_start=q_start),
     }
     if device.type == "cuda":   # torch's CPU flex template takes no epilogue, which an outer graph may fuse into it
-        runs |= {"outer_whole": outer(q, k, v, 0), "outer_chunk": outer(q[..., q_start:, :], k, v, q_start)}
+        # the plans made outside: the outer graph holds the kernel, as in a model compiled whole after its plans
+        plans = fe.select_blocks(q, k, cfg), fe.select_blocks(chunk, k, cfg, q_start=q_start)
+        outer = torch.compile(lambda q_, k_, v_, p: fe.sparse_prefill_attention(q_, k_, v_, cfg, plan=p,
+                                                                                 q_start=p.q_start))
+        runs |= {"outer_whole": outer(q, k, v, plans[0]), "outer_chunk": outer(chunk, k, v, plans[1])}
     result: dict[str, Any] = {}
     for name, out in runs.items():
         start = q_start if name.endswith("chunk") else 0
         result[f"{name}_rel_err"] = round(rel_err(out, dense[..., start:, :]), 5)
-    plan = fe.select_blocks(q, k, cfg)
-    result["density"] = round(plan.density, 4)
+    result["density"] = round(fe.select_blocks(q, k, cfg).density, 4)
     bad = {name: err for name, err in result.items() if name.endswith("rel_err") and err > OUTPUT_TOL}
     if covering and bad:
         raise Mismatch(f"covering plans differ from dense attention: {bad} (> {OUTPUT_TOL})")

@@ -93,22 +93,41 @@ def test_each_template_gets_an_offset_it_takes(n: int, q_start: int, template: s
         assert len(shapes) == 1 and len(shapes[0]) == (1 if template == "flash" else 0)
 
 
-@pytest.mark.parametrize("template", ["flash", "triton"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_inside_an_outer_compile_the_offset_is_made_in_the_graph(template: str, dynamic: bool) -> None:
+def test_inside_an_outer_compile_a_chunk_gets_the_triton_form(dynamic: bool) -> None:
     """A model the user compiles whole, the chunk's start an int of the outer graph (a constant, or a symbol once
-    dynamo makes it dynamic): the offset's tensor is made inside that graph, in the template's form."""
+    dynamo makes it dynamic): the offset's 0-d tensor is made inside that graph, which Triton's template took on the
+    GPU (FLASH's did not: `run_plan` sends such a chunk to Triton); a whole prompt captures nothing."""
     for q_start in (0, 384):
-        args = kernel_call(1000, q_start, template, offset=0)
+        args = kernel_call(1000, q_start, "triton", offset=0)
         start = q_start - q_start % 128
 
         def outer(*a: object) -> torch.Tensor:
-            s = a[-1]
-            return _flex_over_table(*a[:-1], kernel_offset(s, a[0].shape[-2], CPU, template)) * 1.0
+            return _flex_over_table(*a[:-1], kernel_offset(a[-1], a[0].shape[-2], CPU, "triton")) * 1.0
 
         captured = mask_captures(outer, *args[:-1], start, dynamic=dynamic)
-        assert violations(captured, template == "flash") == []
-        assert len(captured) == (0 if q_start < 128 else 1 + (template == "flash" and dynamic))
+        assert violations(captured, flash=False) == []
+        assert [tuple(value.shape) for value in captured] == ([] if q_start < 128 else [()])
+
+
+def test_flash_is_left_for_triton_only_by_a_chunk_inside_an_outer_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_plan` asks for FLASH's options everywhere else: a whole prompt inside an outer compile keeps them."""
+    import flexentropy.sparse.kernel as kernel
+
+    seen: list[object] = []
+    monkeypatch.setattr(kernel, "kernel_options", lambda backend, *rest: seen.append(backend) or (
+        kernel.FLASH_OPTIONS if backend == "auto" else None))
+    monkeypatch.setattr(kernel, "_compiled_flex_over_table",
+                        lambda *a: seen.append(a[7]) or torch.zeros_like(a[0]))
+    plan = SparsePlan(causal_blocks(1000, 128)[None, None].expand(1, 4, -1, -1).clone(), 1000, 128)
+    q, k, v = torch.randn(1, 4, 1000, 64), torch.randn(1, 2, 1000, 64), torch.randn(1, 2, 1000, 64)
+    kernel.run_plan(q, k, v, plan)
+    chunk = SparsePlan(causal_blocks(1000, 128, q_start=384)[None, None].expand(1, 4, -1, -1).clone(), 1000, 128,
+                       q_start=384)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernel.run_plan(q[..., :128, :], k[..., :128, :], v[..., :128, :], SparsePlan(plan.blocks[..., :1, :1], 128, 128))
+    kernel.run_plan(q[..., 384:, :], k, v, chunk)
+    assert seen == ["auto", kernel.FLASH_OPTIONS, "auto", kernel.FLASH_OPTIONS, "auto", "triton", None]
 
 
 @pytest.mark.parametrize(("n", "q_start"), CHUNKS)

@@ -143,7 +143,9 @@ def kernel_offset(start: int, rows: int, device: torch.device, template: str) ->
     - ``"triton"`` and ``"cpu"``: a 0-d int32 tensor (Triton's template also refuses the symbolic expression).
 
     The tensors are filled on the device (no host copy, no sync). Inside an outer ``torch.compile`` they are made in
-    the outer graph, except on the CPU, whose template takes no tensor made inside the graph: there the int itself.
+    the outer graph, which Inductor then computes inside the template's mask: Triton takes the 0-d tensor so made,
+    FLASH does not ("Missing operation: index_expr", H100, torch 2.11), so `run_plan` runs such a chunk (start > 0)
+    on Triton; the CPU template takes no tensor made inside the graph: there the int itself.
     tests/test_sparse_kernel_contract.py holds each form to what its template takes.
     """
     if start == 0 or template == "cpu" and torch.compiler.is_compiling():
@@ -177,6 +179,8 @@ def run_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan
         offset = kernel_offset(start, rows.shape[-2], q.device, kernel_template(None, q.device))
         return _flex_over_table(rows, k, v, blocks, tensors, plan.block_size, scale, None, True, offset)[..., pad:, :]
     options = kernel_options(backend, q.device, plan.block_size, q.dtype)
+    if options == FLASH_OPTIONS and start and torch.compiler.is_compiling():
+        options = kernel_options("triton", q.device, plan.block_size, q.dtype)   # `kernel_offset`: no FLASH form
     offset = kernel_offset(start, rows.shape[-2], q.device, kernel_template(options, q.device))
     keep_dynamic(*tensors[0::2], dims=(-1,))        # C_Q of the counts [B, H, C_Q]
     keep_dynamic(*tensors[1::2], dims=(-2, -1))     # C_Q, C_B of the indices [B, H, C_Q, C_B]

@@ -628,13 +628,15 @@ def test_validation() -> None:
 
 
 def test_a_cache_for_another_layer_count_says_so() -> None:
-    """A cache built for fewer layers than the model has, or for more, fails at the first forward that shows it, with
-    the count it was built for."""
+    """A cache built for fewer layers than the model has, or for more, fails at the model's first forward, with the
+    count it was built for, before anything is stored (issue 69: the first layers stored the prompt)."""
     model, ids = model_for("llama", EVICTING), prompt(300)
-    with pytest.raises(ValueError, match="built for 1 layers, got layer_idx 1: pass model="):
-        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=1), 4, disable_compile=True)
-    with pytest.raises(RuntimeError, match=r"built for 5 layers, but layers \[3, 4\] saw no prompt"):
-        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=5), 4, disable_compile=True)
+    for layers in (1, 5):
+        cache = StaticLatentKVCache(EVICTING, num_layers=layers)
+        with pytest.raises(ValueError, match=f"built for {layers} layers, but a model of 3 layers runs on it: pass "
+                                             f"model="):
+            greedy(model, ids, cache, 4, disable_compile=True)
+        assert [layer.seen for layer in cache.layers] == [0] * layers
 
 
 def test_flash_decode_traces_to_its_output_shape() -> None:

@@ -145,6 +145,13 @@ def check_number(owner: str, name: str, value: object, low: float = -math.inf, h
         raise ValueError(f"{label(owner, name)} must be a finite number{bounds}, got {value!r}")
 
 
+def check_scale(owner: str, scale: object) -> None:
+    """Raise unless the softmax ``scale`` is None (the default ``1 / sqrt(D)``) or a finite number > 0 (0 gives a
+    plain mean of the values, a negative scale the opposite of attention, NaN a NaN output)."""
+    if scale is not None:
+        check_number(owner, "scale", scale, 0, open_low=True)
+
+
 def check_odd(owner: str, name: str, value: object) -> None:
     """Raise unless ``value`` is an odd int >= 1 (1: off)."""
     check_int(owner, name, value, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexentropy._checks import check_layer_idx, check_number, check_qk
+from flexentropy._checks import check_layer_idx, check_qk, check_scale
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.prefill.selection import dense_plan, plan_blocks
 from flexentropy.sparse.kernel import run_plan
@@ -60,8 +60,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_qk(q, k, v, q_start=q_start)
     check_layer_idx(layer_idx)
     check_config(config)
-    if scale is not None:
-        check_number("sparse_prefill_attention", "scale", scale, 0, open_low=True)
+    check_scale("sparse_prefill_attention", scale)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU backward): "
                          "call it under torch.no_grad() or torch.inference_mode()")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -1146,6 +1147,24 @@ def test_greedy_generate_after_generate_batch_on_the_same_cache() -> None:
     cache.open(2, single)
     with pytest.raises(ValueError, match=r"serves its rows one by one .* call cache.reset\(\)"):
         fe.greedy_generate(model, ids, cache, 4)
+
+
+def test_numpy_integers_reach_transformers_as_ints() -> None:
+    """Issue 69: ``fe.warm_up(model, lengths, new_tokens=np.int64(3))`` passed flexentropy's check, then transformers
+    refused it (``min_length`` has to be a non-negative integer, for a model with a stop token). warm_up,
+    greedy_generate and generate_batch take numpy integers as Python's ints: the same tokens, timings keyed by int."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+    model.generation_config.eos_token_id = 2
+    for loop in (False, True):
+        seconds = fe.warm_up(model, [np.int64(300)], config=EVICTING, batch_size=np.int64(1), new_tokens=np.int64(3),
+                             loop=loop)
+        assert [type(length) for length in seconds] == [int], loop
+    assert torch.equal(fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), np.int64(5)),
+                       fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 5))
+    prompts = [ids[0], prompt(260, seed=2)[0]]
+    got = fe.generate_batch(model, prompts, np.int64(5), rows=np.int64(2), config=EVICTING)
+    expected = fe.generate_batch(model, prompts, 5, rows=2, config=EVICTING)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def test_warm_up_names_the_argument_it_was_given() -> None:

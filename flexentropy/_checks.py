@@ -114,10 +114,11 @@ def label(owner: str, name: str) -> str:
 
 
 def check_int(owner: str, name: str, value: object, minimum: int | None = 0, maximum: int | None = None, *,
-              minimum_is: str = "") -> None:
+              minimum_is: str = "") -> int:
     """Raise unless ``value`` is an int (not a bool) ``>= minimum`` (any int when ``minimum`` is None) and, when
     ``maximum`` is given, ``<= maximum``. ``minimum_is`` says where a minimum that is another knob comes from (e.g.
-    ``"window=64: ..."``), for the message."""
+    ``"window=64: ..."``), for the message. Returns ``value`` as Python's int (a numpy integer such as
+    ``np.int64(3)`` becomes ``3``), what a public function passes on (transformers refuses numpy integers)."""
     if not is_int(value):
         raise TypeError(f"{label(owner, name)} must be an int, got {type(value).__name__} {value!r}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -128,6 +129,7 @@ def check_int(owner: str, name: str, value: object, minimum: int | None = 0, max
         else:
             expected = f"in [{minimum}, {maximum}]"
         raise ValueError(f"{label(owner, name)} must be {expected}, got {value}")
+    return int(value)
 
 
 def check_number(owner: str, name: str, value: object, low: float = -math.inf, high: float = math.inf, *,
@@ -143,6 +145,13 @@ def check_number(owner: str, name: str, value: object, low: float = -math.inf, h
         else:
             bounds = f" in {'(' if open_low else '['}{low}, {high}]"
         raise ValueError(f"{label(owner, name)} must be a finite number{bounds}, got {value!r}")
+
+
+def check_scale(owner: str, scale: object) -> None:
+    """Raise unless the softmax ``scale`` is None (the default ``1 / sqrt(D)``) or a finite number > 0 (0 gives a
+    plain mean of the values, a negative scale the opposite of attention, NaN a NaN output)."""
+    if scale is not None:
+        check_number(owner, "scale", scale, 0, open_low=True)
 
 
 def check_odd(owner: str, name: str, value: object) -> None:

@@ -81,7 +81,8 @@ class EntropyAttention(nn.Module):
         compiled: run the sparse kernel compiled (False: eager flex, which materialises N x N scores; tests only).
         device, dtype: of the projection weights.
 
-    Forward: ``hidden_states [B, L, hidden_size]`` -> ``[B, L, hidden_size]``. Without a cache, or with a cache that
+    Forward: ``hidden_states [B, L, hidden_size]`` -> ``[B, L, hidden_size]`` (floating, the weights' dtype; an empty
+    batch or sequence gives an empty output and leaves the cache as it is). Without a cache, or with a cache that
     holds nothing for this layer, the ``L`` tokens are a prompt and run sparse prefill (stored in the cache if
     given). Otherwise they follow the cached tokens: the cache receives their queries (``observe_queries``, when
     it has it) and keys/values, and they attend over everything the cache returns. Positions default to
@@ -139,6 +140,9 @@ class EntropyAttention(nn.Module):
             raise ValueError(f"hidden_states must be [batch, seq_len, hidden_size={self.hidden_size}], "
                              f"got {tuple(hidden_states.shape)}")
         weights = self.q_proj.weight.dtype
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"EntropyAttention takes floating hidden_states (its weights are {weights}), got "
+                            f"{hidden_states.dtype}: embed token ids first, or cast them (hidden_states.to({weights}))")
         if hidden_states.dtype != weights:
             raise TypeError(f"EntropyAttention's weights are {weights} but hidden_states are {hidden_states.dtype}: "
                             f"cast one to the other (module.to({hidden_states.dtype}) or "
@@ -147,6 +151,8 @@ class EntropyAttention(nn.Module):
             raise TypeError(f"cache must have update() and get_seq_length() (e.g. flexentropy.LatentKVCache), "
                             f"got {type(cache).__name__}")
         batch, length, _ = hidden_states.shape
+        if not batch or not length:   # no token to attend: nothing reaches the cache
+            return hidden_states.new_empty(batch, length, self.hidden_size)
         prompt = cache is None or _holds_nothing(cache, self.layer_idx)
         if position_ids is None:
             past = 0 if prompt else cache.get_seq_length(self.layer_idx)

@@ -75,7 +75,9 @@ def test_validation() -> None:
         fe.fuse_projections(nn.Sequential(nn.Linear(4, 4)))
     plain, fused = pair("llama")
     fe.fuse_projections(fused)
-    with pytest.raises(ValueError, match="found no group to fuse"):   # already fused
+    # issue 69: "found no group to fuse" for a model fused already
+    with pytest.raises(ValueError, match=r"fuse_projections: LlamaForCausalLM is already fused \(4 groups, by an "
+                                         r"earlier call\): nothing is left to fuse"):
         fe.fuse_projections(fused)
 
 

@@ -291,6 +291,92 @@ def test_a_cache_filled_by_one_model_refuses_a_model_of_another_depth() -> None:
     assert torch.equal(greedy(two, ids, past_key_values=cache), greedy(two, ids, past_key_values=LatentKVCache(SMALL)))
 
 
+STATIC_SMALL = SMALL.replace(recompress_every=8)
+REFUSING_CACHES = {  # every cache make_cache builds, evicting inside the conversation, and the static cache
+    "full": lambda model: make_cache("full", model=model),
+    "latent": lambda model: make_cache("latent", model=model, budget=160, window=16, delay=4, recompress_every=8),
+    "snapkv": lambda model: make_cache("snapkv", model=model, budget=160, window=16),
+    "adakv": lambda model: make_cache("adakv", model=model, budget=160, window=16),
+    "pyramidkv": lambda model: make_cache("pyramidkv", model=model, budget=160, window=16),
+    "streamingllm": lambda model: make_cache("streamingllm", model=model, budget=160),
+    "h2o": lambda model: make_cache("h2o", model=model, budget=160),
+    "infokv": lambda model: make_cache("infokv", model=model, budget=160, window=16, compress_every=64),
+    "bounded": lambda model: make_cache("bounded", model=model, sinks=4, anchors=64, recent=64, chunk=16, window=16),
+    "static": lambda model: StaticLatentKVCache(STATIC_SMALL, model=model),
+    "static, prompt buffers": lambda model: StaticLatentKVCache(STATIC_SMALL, model=model, max_prompt_length=400),
+}
+
+
+def held_state(value: object, memo: set[int] | None = None) -> object:
+    """Everything ``value`` (a cache) holds, recursively through its objects' attributes: numbers as they are, every
+    tensor as its address, dtype, shape and a copy of its contents."""
+    memo = set() if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), value.dtype, tuple(value.shape), value.detach().clone())
+    if isinstance(value, list | tuple):
+        return [held_state(item, memo) for item in value]
+    if isinstance(value, dict):
+        return {key: held_state(item, memo) for key, item in value.items()}
+    if not hasattr(value, "__dict__") or id(value) in memo:
+        return value if not hasattr(value, "__dict__") else ("object", id(value))
+    memo.add(id(value))
+    return {name: held_state(item, memo) for name, item in vars(value).items()}
+
+
+def assert_same_state(got: object, expected: object, path: str = "cache") -> None:
+    """`held_state` ``got`` equals ``expected``: the same numbers, tensors at the same addresses with the same bits
+    (NaNs of uninitialised buffers included)."""
+    assert type(got) is type(expected), path
+    if isinstance(got, tuple) and got and got[0] == "tensor":
+        assert got[:4] == expected[:4], path
+        torch.testing.assert_close(got[4], expected[4], rtol=0, atol=0, equal_nan=True, msg=path)
+    elif isinstance(got, list):
+        assert len(got) == len(expected), path
+        for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert_same_state(a, b, f"{path}[{index}]")
+    elif isinstance(got, dict):
+        assert got.keys() == expected.keys(), path
+        for key in got:
+            assert_same_state(got[key], expected[key], f"{path}.{key}")
+    else:
+        assert got == expected, path
+
+
+@pytest.mark.parametrize("name", REFUSING_CACHES)
+def test_a_refused_forward_leaves_the_cache_as_it_was(name: str) -> None:
+    """Issue 69: a new prompt on a used cache, a model of another depth or a batch of another size was refused only
+    after layer 0 had stored its tokens, and the conversation the cache held then failed when it went on. Each is
+    now refused before anything is written: every cache holds what it held (lengths, entries, counters, the static
+    phase's buffers, at their addresses), and the conversation's next turn gets the tokens of a cache that never saw
+    the refused forwards."""
+    _, model = twins("llama", STATIC_SMALL)
+    enable(model, STATIC_SMALL, prefill="dense")
+    two = enable(LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 2})).eval(), STATIC_SMALL,
+                 prefill="dense")
+    keyword = hf.cache_keyword(model)
+    ids = prompt(300)
+    clean, cache = REFUSING_CACHES[name](model), REFUSING_CACHES[name](model)
+    first = greedy(model, ids, new=12, **{keyword: clean})
+    assert torch.equal(greedy(model, ids, new=12, **{keyword: cache}), first)
+    conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
+    held = held_state(cache)
+    refused = {
+        r"already holds a conversation of 311 tokens, but the 189 new tokens .* start at position 61, not 311: a new "
+        r"prompt on a used cache": lambda: greedy(model, prompt(250, seed=2), **{keyword: cache}),
+        r"start at position 0, not 311": lambda: model(ids, position_ids=torch.arange(300)[None], **{keyword: cache}),
+        r"a model of 2 layers runs on a|built for 3 layers, but a model of 2 layers":
+            lambda: greedy(two, conversation, **{keyword: cache}),
+        r"a forward of 2 batch rows: expected batch_size 1": lambda: greedy(model, conversation.expand(2, -1),
+                                                                            **{keyword: cache}),
+    }
+    for message, run in refused.items():
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            run()
+        assert_same_state(held_state(cache), held, f"{name} after {message!r}")
+    assert torch.equal(greedy(model, conversation, new=12, **{keyword: cache}),
+                       greedy(model, conversation, new=12, **{keyword: clean}))
+
+
 def test_a_cache_takes_a_model_or_says_what_it_needs() -> None:
     with pytest.raises(TypeError, match="LatentKVCache: model must be the transformers model the cache serves.*"
                                         "got str 'abc'; or pass num_layers="):

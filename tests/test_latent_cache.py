@@ -498,6 +498,18 @@ def test_bad_machinery_input(call, message):
         call()
 
 
+@pytest.mark.parametrize(("scale", "error", "message"), [
+    *[(scale, ValueError, "a finite number > 0") for scale in (0.0, -0.0, -0.125, math.nan, math.inf)],
+    (True, TypeError, "a number, got bool True"),
+])
+def test_decode_attention_refuses_a_scale_sparse_prefill_refuses(scale: object, error: type, message: str) -> None:
+    """Issue 69: ``decode_attention(scale=0)`` gave the plain mean of the values, NaN an all-NaN output, and negative
+    and bool scales went through; it refuses them as `sparse_prefill_attention` does."""
+    query, keys, values = _token(torch.Generator().manual_seed(0), 1, 4, 2, 8, q_len=3)
+    with pytest.raises(error, match=f"decode_attention.scale must be {message}"):
+        decode_attention(query, keys, values, scale=scale)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # As ``past_key_values`` of a transformers 5.x model's generate
 # --------------------------------------------------------------------------------------------------------------

@@ -92,12 +92,35 @@ def test_rejects_bad_arguments() -> None:
                                         r"torch.bfloat16: cast one to the other \(module.to\(torch.bfloat16\) or "
                                         r"hidden_states.to\(torch.float32\)\)"):
         attention(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    # token ids (int64) were told to cast the module to their dtype: module.to(torch.int64)
+    with pytest.raises(TypeError, match=r"EntropyAttention takes floating hidden_states \(its weights are "
+                                        r"torch.float32\), got torch.int64: embed token ids first"):
+        attention(torch.zeros(2, 5, 64, dtype=torch.long))
     sized = EntropyAttention(np.int64(64), np.int64(4), np.int32(2), layer_idx=np.int64(1), head_dim=np.int64(16))
     assert (sized.hidden_size, sized.num_kv_heads, sized.head_dim, sized.layer_idx) == (64, 2, 16, 1)
     assert type(sized.hidden_size) is int
     with torch.no_grad():
         assert attention.to(torch.bfloat16)(torch.randn(2, 5, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
         assert sized(torch.randn(1, 3, 64)).shape == (1, 3, 64)
+
+
+def test_an_empty_batch_or_sequence_gives_an_empty_output() -> None:
+    """Issue 69: ``[1, 0, D]`` and ``[0, T, D]`` raised torch's reshape error. Each gives an empty output of its
+    shape, with or without a cache, and the cache, empty or holding a prompt, is left as it was."""
+    attention = EntropyAttention(64, 4, 2, layer_idx=1, head_dim=16, config=EntropyConfig(decode_budget=64,
+                                                                                          decode_window=8))
+    cache = LatentKVCache(attention.config)
+    with torch.no_grad():
+        for shape in ((1, 0, 64), (0, 5, 64), (0, 0, 64)):
+            for given in (None, cache):
+                out = attention(torch.randn(shape), given)
+                assert out.shape == shape and out.dtype == torch.float32, (shape, given)
+        assert cache.layers == []
+        prompt = torch.randn(1, 5, 64)
+        expected = attention(prompt, LatentKVCache(attention.config))
+        assert torch.equal(attention(prompt, cache), expected)
+        assert attention(torch.randn(1, 0, 64), cache).shape == (1, 0, 64)
+        assert cache.get_seq_length(1) == 5 and cache.layers[1].observed == 5
 
 
 def test_example_model_generates_like_dense_and_evicts() -> None:

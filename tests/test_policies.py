@@ -98,6 +98,8 @@ def test_make_cache_builds_a_policy_cache():
     assert type(make_cache("latent", budget=64, window=8)).__name__ == "LatentKVCache"
     with pytest.raises(TypeError, match=r"cache policy 'snapkv' has no knob\(s\) \['sinks'\]"):
         make_cache("snapkv", sinks=4)
+    with pytest.raises(TypeError, match=r"cache policy 'full' has no knob\(s\) \['foo'\]; it takes no knobs$"):
+        make_cache("full", foo=1)   # issue 69: "its knobs: " and an empty list
     with pytest.raises(ValueError, match="unknown cache policy 'lru'"):
         make_cache("lru")
 
@@ -116,7 +118,11 @@ def test_make_cache_builds_a_policy_cache():
     (lambda: H2O(budget=64, recent=64), r"H2O.recent \(64\) must be < budget \(64\)"),
     (lambda: InfoKV(alpha=2.0), r"InfoKV.alpha must be a finite number in \[0.0, 1.0\]"),
     (lambda: BoundedCache(recent=8, chunk=16), r"BoundedCache.recent must be >= 16 \(chunk=16: "),
-    (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
+    # issue 69: named EntropyConfig.decode_budget and decode_window, not the knobs passed
+    (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"^LatentPolicy.budget \(8\) must be >= window \(16\)"),
+    (lambda: make_cache("latent", budget=10), r"^LatentPolicy.budget \(10\) must be >= window \(32\): the window's "),
+    (lambda: make_cache("latent", window=0), r"^LatentPolicy.window must be >= 1, got 0"),
+    (lambda: make_cache("latent", delay=1.5), r"^LatentPolicy.delay must be an int, got float 1.5"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
     (lambda: make_prefill("critiprefill", observation="max"), r"CritiPrefill.observation must be one of"),
 ])

@@ -176,6 +176,24 @@ def test_degenerate_inputs_raise_at_the_boundary(call, match: str) -> None:
         call(q, k, v, cfg)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_inputs_that_require_grad_run_detached_where_no_graph_is_built(compiled: bool) -> None:
+    """Issue 69: q with ``requires_grad=True`` inside ``torch.no_grad()`` or ``torch.inference_mode()`` gave
+    FlexAttention's NotImplementedError (eager) or a long dynamo traceback (compiled): flex attention refuses such
+    inputs on CPU whatever the grad mode. No graph is built there, so they run detached, with the output of inputs
+    that do not require grad; with grad enabled the CPU's inference-only message stays."""
+    q, k, v = _qkv(n=640, d=32)
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+    expected = sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+    q.requires_grad_()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+        assert not got.requires_grad and torch.equal(got, expected), mode.__name__
+    with pytest.raises(ValueError, match=r"inference-only on CPU .* call it under torch.no_grad\(\)"):
+        sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+
+
 def test_a_huge_budget_keeps_every_block() -> None:
     """``base_budget=1e30`` once overflowed int64 in the block count and gave the sparsest plan (only the forced
     blocks); any budget past the prompt keeps every causal block."""

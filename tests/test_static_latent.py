@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -628,13 +629,15 @@ def test_validation() -> None:
 
 
 def test_a_cache_for_another_layer_count_says_so() -> None:
-    """A cache built for fewer layers than the model has, or for more, fails at the first forward that shows it, with
-    the count it was built for."""
+    """A cache built for fewer layers than the model has, or for more, fails at the model's first forward, with the
+    count it was built for, before anything is stored (issue 69: the first layers stored the prompt)."""
     model, ids = model_for("llama", EVICTING), prompt(300)
-    with pytest.raises(ValueError, match="built for 1 layers, got layer_idx 1: pass model="):
-        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=1), 4, disable_compile=True)
-    with pytest.raises(RuntimeError, match=r"built for 5 layers, but layers \[3, 4\] saw no prompt"):
-        greedy(model, ids, StaticLatentKVCache(EVICTING, num_layers=5), 4, disable_compile=True)
+    for layers in (1, 5):
+        cache = StaticLatentKVCache(EVICTING, num_layers=layers)
+        with pytest.raises(ValueError, match=f"built for {layers} layers, but a model of 3 layers runs on it: pass "
+                                             f"model="):
+            greedy(model, ids, cache, 4, disable_compile=True)
+        assert [layer.seen for layer in cache.layers] == [0] * layers
 
 
 def test_flash_decode_traces_to_its_output_shape() -> None:
@@ -1144,6 +1147,24 @@ def test_greedy_generate_after_generate_batch_on_the_same_cache() -> None:
     cache.open(2, single)
     with pytest.raises(ValueError, match=r"serves its rows one by one .* call cache.reset\(\)"):
         fe.greedy_generate(model, ids, cache, 4)
+
+
+def test_numpy_integers_reach_transformers_as_ints() -> None:
+    """Issue 69: ``fe.warm_up(model, lengths, new_tokens=np.int64(3))`` passed flexentropy's check, then transformers
+    refused it (``min_length`` has to be a non-negative integer, for a model with a stop token). warm_up,
+    greedy_generate and generate_batch take numpy integers as Python's ints: the same tokens, timings keyed by int."""
+    model, ids = model_for("llama", EVICTING), prompt(300)
+    model.generation_config.eos_token_id = 2
+    for loop in (False, True):
+        seconds = fe.warm_up(model, [np.int64(300)], config=EVICTING, batch_size=np.int64(1), new_tokens=np.int64(3),
+                             loop=loop)
+        assert [type(length) for length in seconds] == [int], loop
+    assert torch.equal(fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), np.int64(5)),
+                       fe.greedy_generate(model, ids, StaticLatentKVCache(EVICTING, model=model), 5))
+    prompts = [ids[0], prompt(260, seed=2)[0]]
+    got = fe.generate_batch(model, prompts, np.int64(5), rows=np.int64(2), config=EVICTING)
+    expected = fe.generate_batch(model, prompts, 5, rows=2, config=EVICTING)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def test_warm_up_names_the_argument_it_was_given() -> None:

@@ -63,7 +63,7 @@ class PolicyCache(Cache):
             check_int("", "num_layers", num_layers, 1)
         self.num_layers = plain(num_layers)
         self._dims: dict[str, tuple[int, str]] = {}  # name -> (size, the call that fixed it)
-        self._depth: int | None = None  # decoder layers of the model that ran on the cache since the last reset
+        self._depth: int | None = None  # decoder layers of the model that filled the cache (`_check_depth`)
         self._hidden: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -141,43 +141,69 @@ class PolicyCache(Cache):
         check_int("observe_sliding", "window", window, 1)
         self._layer(layer_idx).sliding_window = window
 
-    def check_depth(self, num_layers: int) -> None:
-        """Raise ``ValueError`` when a model of ``num_layers`` decoder layers runs a forward on this cache after a model
-        of another depth did, since the cache was made or last `reset` (a cache holds one model's request; without
-        the check, the shallower model would continue from the other's entries). Not while compiling."""
+    def check_request(self, num_layers: int, batch: int, position_ids: torch.Tensor | None) -> None:
+        """Refuse a forward that this cache cannot serve before any of it is written, so that a refused forward leaves
+        the cache as it was (its entries, lengths and counters) and the conversation it holds goes on as if the
+        forward had never come. The decoder's pre-hook that `flexentropy.enable` installs calls it before every
+        forward (`flexentropy.integrations.hooks`); not while compiling.
+
+        Refused with a ``ValueError``: a model of another depth than the one that filled the cache since it was made
+        or last `reset` (`_check_depth`); another batch size than the conversation's; tokens that do not continue
+        the conversation (`_check_positions`).
+
+        Args:
+            num_layers: decoder layers of the model that runs the forward.
+            batch: batch rows of the forward's input.
+            position_ids: ``[B or 1, q_len]`` the positions the model gives the forward's tokens, or None
+                (transformers then numbers them on from the cache's length: they continue it).
+        """
         if torch.compiler.is_compiling():
             return
-        if self._depth is None:
-            self._depth = num_layers
-        elif num_layers != self._depth:
+        held, padding = self._conversation()
+        self._check_depth(num_layers, held)
+        if held and "batch_size" in self._dims:
+            self._check_dims(f"a forward of {batch} batch rows", batch_size=batch)
+        self._check_positions(position_ids, held, padding)
+
+    def _conversation(self) -> tuple[int, torch.Tensor | None]:
+        """``(tokens, padding)`` of the conversation the cache holds: its logical length, the host's int (0: none),
+        and its rows' left padding ``[B]`` int64 (None: none)."""
+        if not self.layers:
+            return 0, None
+        first = self.layers[0]
+        return first.seen, first.padding
+
+    def _check_depth(self, num_layers: int, held: int) -> None:
+        """Raise ``ValueError`` when a model of ``num_layers`` decoder layers runs on this cache while it holds
+        ``held`` tokens of a model of another depth (a cache holds one model's request; the other model would
+        continue from its entries); an empty cache takes any model."""
+        if held and self._depth is not None and num_layers != self._depth:
             raise ValueError(f"a model of {num_layers} layers runs on a {type(self).__name__} that a model of "
                              f"{self._depth} layers filled: a cache holds one model's request. Call cache.reset() "
                              f"(or use a new cache) before running another model on it")
+        self._depth = num_layers
 
-    def check_positions(self, position_ids: torch.Tensor | None, layer_idx: int) -> None:
-        """Raise ``ValueError`` when the tokens of a forward on a layer that already held a conversation do not
-        continue it: a new prompt on a used cache, which would attend over the old conversation's entries.
+    def _check_positions(self, position_ids: torch.Tensor | None, held: int, padding: torch.Tensor | None) -> None:
+        """Raise ``ValueError`` when the tokens of a forward on a cache that holds a conversation of ``held`` tokens
+        (rows left-padded by ``padding [B]``, or None) do not continue it: a new prompt on a used cache, which would
+        attend over the old conversation's entries.
 
-        Call it after the forward's ``update`` of layer ``layer_idx``, with the positions the model gave its tokens,
-        ``position_ids`` ``[B or 1, q_len]`` (None, a single token or the first forward: nothing to check; not while
-        compiling). A continuation starts where the cache ends: ``generate`` with a used cache takes the whole
-        conversation and feeds the tokens past the cache's length; a prompt fed in several forwards continues too.
-        A left-padded row counts its positions from its first real token (`observe_padding`).
+        ``position_ids`` ``[B or 1, q_len]`` are the positions the model gives the tokens (None, a single token or
+        an empty cache: nothing to check, so a decode step reads no tensor). A continuation starts where the cache
+        ends: ``generate`` with a used cache takes the whole conversation and feeds the tokens past the cache's
+        length; a prompt fed in several forwards continues too. A left-padded row counts its positions from its
+        first real token. A later turn reads its rows' first positions once (a host sync).
         """
-        if (position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2
-                or layer_idx >= len(self.layers) or torch.compiler.is_compiling()):
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2 or not held:
             return
-        layer = self.layers[layer_idx]
-        held = layer.seen - position_ids.shape[-1]
-        if held <= 0:
-            return
-        expected = torch.full_like(position_ids[:, 0], held) if layer.padding is None else held - layer.padding
-        starts = position_ids[:, 0].expand_as(expected)
+        starts = position_ids[:, 0]
+        expected = torch.full_like(starts, held) if padding is None else held - padding
+        starts = starts.expand_as(expected)
         wrong = (starts != expected).nonzero().flatten()
         if wrong.numel():
             row = int(wrong[0])
             raise ValueError(
-                f"{type(self).__name__} layer {layer_idx} already holds a conversation of {held} tokens, but the "
+                f"{type(self).__name__} already holds a conversation of {held} tokens, but the "
                 f"{position_ids.shape[-1]} new tokens of batch row {row} start at position {int(starts[row])}, not "
                 f"{int(expected[row])}: a new prompt on a used cache. Call cache.reset() (or use a new cache) before "
                 f"a new prompt; for a later turn of the same conversation, pass the whole conversation to generate"

@@ -170,6 +170,21 @@ class StaticLatentKVCache(LatentKVCache):
         self.static.free(row)
 
     # -- the Cache API: the static phase where it can be -----------------------------------------------------------
+    def _conversation(self) -> tuple[int, torch.Tensor | None]:
+        """``(tokens, padding)`` of the conversation held (`PolicyCache._conversation`): in a static stage, the
+        counters' and the phase's."""
+        if self.static.stage is None:
+            return super()._conversation()
+        return self.static.counters.seen(), self.static.padding
+
+    def _check_depth(self, num_layers: int, held: int) -> None:
+        """Raise ``ValueError`` unless the model has the layer count the cache was built for (its layers and buffers
+        are that many), whatever it holds (``held``)."""
+        if num_layers != len(self.layers):
+            raise ValueError(f"{type(self).__name__} was built for {len(self.layers)} layers, but a model of "
+                             f"{num_layers} layers runs on it: pass model= (or num_layers= the model's count of "
+                             f"attention layers)")
+
     def _check_layer_idx(self, layer_idx: int) -> None:
         if layer_idx >= len(self.layers):
             raise ValueError(f"{type(self).__name__} was built for {len(self.layers)} layers, got layer_idx "

@@ -52,8 +52,8 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
     from flexentropy.caches.latent_kv import LatentKVCache
     from flexentropy.caches.static_latent import StaticLatentKVCache
 
-    check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
-    check_int("generate_batch", "rows", rows, 1)
+    max_new_tokens = check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
+    rows = check_int("generate_batch", "rows", rows, 1)
     for index, ids in enumerate(prompts):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.numel() == 0:
             got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__

@@ -111,7 +111,7 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
     from flexentropy.caches.keywords import cache_keyword
     from flexentropy.caches.static_latent import StaticLatentKVCache
 
-    check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
+    max_new_tokens = check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
     check_tokens("greedy_generate", "input_ids", input_ids)
     if input_ids.dtype != torch.long:
         raise ValueError(f"greedy_generate expects input_ids int64 [B, N], got {input_ids.dtype} "

@@ -108,12 +108,11 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     if lengths is None:
         start = config.dense_prefix + config.segment_size
         lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)
-    check_int("warm_up", "batch_size", batch_size, 1)
-    for length in lengths:
-        check_int("warm_up", "length", length, 1)
+    batch_size = check_int("warm_up", "batch_size", batch_size, 1)
+    lengths = [check_int("warm_up", "length", length, 1) for length in lengths]
     if new_tokens is None:
         new_tokens = config.decode_delay + (config.recompress_every or 0) + 2
-    check_int("warm_up", "new_tokens", new_tokens, 1)
+    new_tokens = check_int("warm_up", "new_tokens", new_tokens, 1)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}

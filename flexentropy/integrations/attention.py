@@ -58,8 +58,6 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     state = layer_state(module)
     policy = isinstance(cache, PolicyCache)
     if policy:
-        cache.check_depth(module.config.num_hidden_layers)
-        cache.check_positions(kwargs.get("position_ids"), module.layer_idx)
         cache.observe_queries(query, module.layer_idx)
     if query.shape[-2] == key.shape[-2]:
         return _prefill(module, state, query, key, value, attention_mask, scaling, sliding_window)

@@ -5,7 +5,9 @@ own caches unchanged.
 
 - Each attention module's forward pre-hook (`hand_over_cache`) passes the module's cache on to the attention function
   under `CACHE_KWARG`, and hands a `PolicyCache` the prompt's padding and the layer's sliding window.
-- The decoder's forward pre-hook refuses an input of no token (or without a batch dim) with a message; it and the
+- The decoder's forward pre-hook refuses an input of no token (or without a batch dim) with a message, and a forward
+  that a `PolicyCache` cannot continue (`PolicyCache.check_request`: another model's, another batch size, a new
+  prompt on a used cache) before any layer writes to it, so that the cache's conversation goes on; it and the
   decoder's forward hook run the decode engine's `begin_step` and `end_step` eagerly around
   every forward that no step driver runs (one without `DRIVER_KWARG`): a `StaticLatentKVCache`'s decisions never
   run inside a compiled or captured step, and its counters advance once per step.
@@ -101,41 +103,41 @@ def hand_over_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
     return args, {**kwargs, CACHE_KWARG: cache}
 
 
-def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
-    """Tokens in a decoder call's input (``input_ids`` or ``inputs_embeds``, keyword or first positional)."""
+def _model_input(args: tuple, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """``(name, value)`` of a decoder call's input: ``input_ids`` (keyword or first positional), else
+    ``inputs_embeds``."""
     tokens = kwargs.get("input_ids", args[0] if args else None)
-    return (kwargs["inputs_embeds"] if tokens is None else tokens).shape[1]
-
-
-def _check_input(args: tuple, kwargs: dict[str, Any]) -> None:
-    """Refuse a decoder input of no token, or one without a batch dim, with a message (transformers' own error comes
-    from deep inside the attention)."""
-    tokens = kwargs.get("input_ids", args[0] if args else None)
-    if tokens is not None:
-        check_tokens("the model", "input_ids", tokens)
-    elif kwargs.get("inputs_embeds") is not None:
-        check_tokens("the model", "inputs_embeds", kwargs["inputs_embeds"], dims=3)
+    return ("input_ids", tokens) if tokens is not None else ("inputs_embeds", kwargs.get("inputs_embeds"))
 
 
 def begin_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """The decoder's forward pre-hook: `begin_step` for a `StaticLatentKVCache`'s forward that no driver runs; a
-    flexentropy cache handed to a forward with ``use_cache=False`` is refused, and so is an input of no token."""
-    _check_input(args, kwargs)
+    """The decoder's forward pre-hook, before any layer runs: an input of no token (or without a batch dim) is
+    refused with a message (transformers' own error comes from deep inside the attention); so is a flexentropy cache
+    handed to a forward with ``use_cache=False``, or one the forward cannot continue (`PolicyCache.check_request`:
+    another model's, another batch size, a new prompt), before anything is written to it; then `begin_step` for a
+    `StaticLatentKVCache`'s forward that no driver runs."""
+    name, tokens = _model_input(args, kwargs)
+    if tokens is None:   # transformers says what it takes
+        return
+    check_tokens("the model", name, tokens, dims=2 if name == "input_ids" else 3)
     cache = cache_argument(kwargs)
-    if isinstance(cache, PolicyCache) and kwargs.get("use_cache") is False:
+    if not isinstance(cache, PolicyCache):
+        return
+    if kwargs.get("use_cache") is False:
         raise ValueError(f"a {type(cache).__name__} was passed with use_cache=False: the model then runs the whole "
                          f"sequence again at every step (as generate(use_cache=False) does), which a cache that keeps "
                          f"what it saw cannot serve. Pass use_cache=True (generate's default) with the cache, or no "
                          f"cache with use_cache=False")
+    cache.check_request(module.config.num_hidden_layers, tokens.shape[0], kwargs.get("position_ids"))
     if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
-        eager(begin_step, cache, _query_length(args, kwargs))
+        eager(begin_step, cache, tokens.shape[1])
 
 
 def end_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     """The decoder's forward hook: `end_step` after a `StaticLatentKVCache`'s forward that no driver runs."""
     cache = cache_argument(kwargs)
     if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
-        eager(end_step, cache, _query_length(args, kwargs))
+        eager(end_step, cache, _model_input(args, kwargs)[1].shape[1])
 
 
 class StaticStepRouting:

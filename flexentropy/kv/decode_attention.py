@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexentropy._checks import check_scale
 from flexentropy.sparse.kernel import flash_available
 
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
@@ -131,7 +132,7 @@ def decode_attention(
         keys: ``[B, Hkv, T, D]``, ``T >= L``, ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head
             ``h // (Hq // Hkv)``).
         values: ``[B, Hkv, T, Dv]``.
-        scale: softmax scale, default ``1 / sqrt(D)``.
+        scale: softmax scale, a finite number > 0 (default ``1 / sqrt(D)``).
 
     Returns:
         ``[B, Hq, L, Dv]`` in the query's dtype. Query ``i`` attends to the ``T - L`` earlier entries and,
@@ -150,6 +151,7 @@ def decode_attention(
     if q_len > length:
         raise ValueError(f"{q_len} queries but only {length} cache entries: the cache must already hold the "
                          f"queries' own keys (call update() before attending)")
+    check_scale("decode_attention", scale)
     mask = None
     if q_len > 1:  # bottom-right aligned causal mask over the chunk, [L, T]
         positions = torch.arange(length, device=query.device)

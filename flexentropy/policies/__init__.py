@@ -99,10 +99,11 @@ def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
             raise TypeError("pass either a CachePolicy object or a name with knobs, not both")
         return policy
     cls = _lookup(CACHE_POLICIES, "cache", policy)
-    unknown = set(knobs) - set(cls.knob_names())
+    names = cls.knob_names()
+    unknown = set(knobs) - set(names)
     if unknown:
-        raise TypeError(f"cache policy {policy!r} has no knob(s) {sorted(unknown)}; its knobs: "
-                        f"{', '.join(cls.knob_names())}")
+        takes = f"its knobs: {', '.join(names)}" if names else "it takes no knobs"
+        raise TypeError(f"cache policy {policy!r} has no knob(s) {sorted(unknown)}; {takes}")
     return cls.from_knobs(**knobs)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexentropy._checks import check_layer_idx, check_number, check_qk
+from flexentropy._checks import check_layer_idx, check_qk, check_scale
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.prefill.selection import dense_plan, plan_blocks
 from flexentropy.sparse.kernel import run_plan
@@ -56,15 +56,21 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Returns:
         ``[B, Hq, M, D]`` in ``q.dtype``.
+
+    On CPU it is inference-only (flex attention has no CPU backward): inputs that require grad are refused while
+    grad is enabled. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they run detached on every device,
+    since no graph is built there (the output requires no grad, as any op's there).
     """
     check_qk(q, k, v, q_start=q_start)
     check_layer_idx(layer_idx)
     check_config(config)
-    if scale is not None:
-        check_number("sparse_prefill_attention", "scale", scale, 0, open_low=True)
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU backward): "
-                         "call it under torch.no_grad() or torch.inference_mode()")
+    check_scale("sparse_prefill_attention", scale)
+    if any(t.requires_grad for t in (q, k, v)):
+        if torch.is_grad_enabled() and q.device.type == "cpu":
+            raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU "
+                             "backward): call it under torch.no_grad() or torch.inference_mode()")
+        if not torch.is_grad_enabled():   # no graph is built here; CPU flex refuses such inputs in any grad mode
+            q, k, v = q.detach(), k.detach(), v.detach()
     if q.shape[-2] == 0:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if plan is None:

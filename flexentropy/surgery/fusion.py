@@ -143,7 +143,8 @@ def fuse_projections(model: nn.Module) -> int:
     gives the unfused names, and ``load_state_dict`` takes them (module docstring).
 
     Raises:
-        ValueError: no group to fuse, or a group whose linears are not plain tensors.
+        ValueError: no group to fuse (or, for a model fused already, none left), or a group whose linears are not
+            plain tensors.
     """
     fused = 0
     for parent in list(model.modules()):
@@ -159,6 +160,10 @@ def fuse_projections(model: nn.Module) -> int:
             parent.register_load_state_dict_pre_hook(functools.partial(_fused_state, name))
             fused += 1
     if not fused:
+        already = sum(isinstance(module, FusedLinear) for module in model.modules())
+        if already:
+            raise ValueError(f"fuse_projections: {type(model).__name__} is already fused ({already} groups, by an "
+                             f"earlier call): nothing is left to fuse")
         raise ValueError(f"fuse_projections found no group to fuse in {type(model).__name__}: it looks for "
                          f"{', '.join('/'.join(m) for m in GROUPS.values())} as nn.Linear children of one module, "
                          f"with one input size, device and dtype")

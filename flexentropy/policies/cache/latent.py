@@ -19,6 +19,15 @@ KNOBS = {"budget": "decode_budget", "window": "decode_window", "delay": "decode_
 """Knob -> the `EntropyConfig` field that is its one home (default, validation, documentation)."""
 
 
+def knob_message(message: str) -> str:
+    """An `EntropyConfig` error about the latent policy's fields under the knobs' names: ``EntropyConfig.`` ->
+    ``LatentPolicy.``, each field of `KNOBS` -> its knob (``decode_budget`` -> ``budget``)."""
+    message = message.replace("EntropyConfig.", "LatentPolicy.")
+    for knob, name in KNOBS.items():
+        message = message.replace(name, knob)
+    return message
+
+
 @dataclass(frozen=True)
 class LatentPolicy(CachePolicy):
     """Full cache through prefill and ``delay`` generated tokens, then keep the query window's own entries and the
@@ -45,9 +54,13 @@ class LatentPolicy(CachePolicy):
 
     @classmethod
     def from_knobs(cls, **knobs: Any) -> LatentPolicy:
-        """``config`` (default ``EntropyConfig()``) with the short-named knobs set, e.g. ``budget=512``."""
+        """``config`` (default ``EntropyConfig()``) with the short-named knobs set, e.g. ``budget=512``; a knob the
+        config refuses is named as it was passed (``LatentPolicy.budget``, not ``EntropyConfig.decode_budget``)."""
         config = check_config(knobs.pop("config", None), "LatentPolicy", optional=True)
-        return cls(config.replace(**{KNOBS[name]: value for name, value in knobs.items()}))
+        try:
+            return cls(config.replace(**{KNOBS[name]: value for name, value in knobs.items()}))
+        except (TypeError, ValueError) as error:
+            raise type(error)(knob_message(str(error))) from None
 
     budget = property(lambda self: self.config.decode_budget, doc="``EntropyConfig.decode_budget``.")
     window = property(lambda self: self.config.decode_window, doc="``EntropyConfig.decode_window``.")

@@ -805,21 +805,6 @@ def test_plain_loop_static_matches_dynamic_entropy_attention() -> None:
     assert len(set(static[0].tolist())) > 5  # a random model that is not stuck on one token
 
 
-def test_deprecated_plain_loop_warns_and_runs_on_the_drivers_steps() -> None:
-    """`fe.greedy_decode` and `fe.compile_step` still work, on the driver's ``begin_step``/``end_step``, and say they
-    are deprecated."""
-    torch.manual_seed(0)
-    model = TinyEntropyLM(COVERING.replace(dense_prefix=4096)).eval()
-    ids = prompt(200)
-    cache = StaticLatentKVCache(COVERING, num_layers=len(model.layers))
-    with pytest.warns(DeprecationWarning, match="compile_step is deprecated"):
-        compiled = fe.compile_step(model, device="cpu", backend="eager")
-    with torch.no_grad(), pytest.warns(DeprecationWarning, match="greedy_decode is deprecated"):
-        first = model(ids, cache)[:, -1:].argmax(dim=-1)
-        got = fe.greedy_decode(model, cache, first, ids.shape[1], 20, compiled=compiled)
-    assert torch.equal(got, plain_run(model, ids, 20, config=COVERING))
-
-
 @pytest.mark.slow
 def test_plain_loop_compiled_matches_eager_without_recompiles() -> None:
     """``torch.compile`` of the step (inductor on CPU): same greedy tokens as eager; a second prompt length and

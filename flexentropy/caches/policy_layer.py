@@ -389,6 +389,8 @@ class PolicyLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
+        """-1: no maximum (transformers' ``CacheLayerMixin`` declares it abstract, and ``Cache.get_max_length``
+        reads it)."""
         return -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

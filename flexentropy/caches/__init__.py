@@ -1,7 +1,8 @@
 """Cache storage (design.md §3.2): the transformers ``Cache`` classes that run the cache policies.
 
 - :mod:`.policy_layer`: `PolicyLayer`, one layer's entries, positions, query window and statistics (a policy's
-  `LayerView`);
+  `LayerView`); :mod:`.append_buffers`: where its appends go (`AppendBuffers`: its own buffers with free slots, or
+  lent ones); :mod:`.layout`: the reads that depend on its entries' layout (rectangular, or ragged);
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
 - :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
 - :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction

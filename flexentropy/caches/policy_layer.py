@@ -1,16 +1,13 @@
 """`PolicyLayer`: one attention layer's storage in a `PolicyCache`, implementing `LayerView` for its policy.
 
-It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.kv.ragged`), their
-logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics, and applies
-the policy's decisions at the two points the policy declares (design.md §3.2): ``before_append`` at the start of
-``update``, ``when_settled`` once keys, queries and signals of a forward cover the same tokens.
+It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.caches.layout`),
+their logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics, and
+applies the policy's decisions at the two points the policy declares (design.md §3.2): ``before_append`` at the start
+of ``update``, ``when_settled`` once keys, queries and signals of a forward cover the same tokens. Where its appends
+go (buffers with free slots, its own or lent) is `AppendBuffers`'.
 
 Positions. Evictions never renumber: ``seen`` is the logical length (the next RoPE position), ``stored`` the entries
 held, `positions` each entry's token position; ``get_mask_sizes`` gives HF the stored count with an offset.
-
-Ragged layers. After a ragged decision (AdaKV) the kept entries are stored flat (`RaggedKV`), plus a rectangular tail
-of later tokens. HF attention code cannot read that layout: ``update`` then returns a zero-memory NaN placeholder of
-the padded shape (a reader that does not know the layout fails loudly), and attention goes through `attend`.
 """
 
 from __future__ import annotations
@@ -20,9 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from flexentropy.kv.decode_attention import decode_attention, grouped_attention, kept_columns
+from flexentropy.caches.append_buffers import AppendBuffers
+from flexentropy.caches.layout import attend_entries, head_lengths, nan_entries
 from flexentropy.kv.keep import gather_kv
-from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
+from flexentropy.kv.ragged import RaggedKV
 from flexentropy.policies.base import CachePolicy
 
 if TYPE_CHECKING:
@@ -32,14 +30,6 @@ if TYPE_CHECKING:
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by ``tensors`` (None skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def nan_entries(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-memory NaN keys and values ``[B, Hkv, count, D]`` shaped like ``keys``/``values`` (batch, heads, head
-    dims): what an ``update`` returns where no caller may read the entries (a reader that does fails loudly)."""
-    nan = float("nan")
-    return (keys.new_full((1, 1, 1, 1), nan).expand(*keys.shape[:2], count, keys.shape[-1]),
-            values.new_full((1, 1, 1, 1), nan).expand(*values.shape[:2], count, values.shape[-1]))
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -55,21 +45,24 @@ class PolicyLayer(CacheLayerMixin):
         prompt_length: tokens of the first ``update`` (None before it). ``evictions``: decisions applied so far.
         previous_generated: tokens generated before the previous ``update`` (None before the first after the prompt).
         signals_until: tokens whose model signals are recorded (signal policies).
+        appends: where the appends go (`AppendBuffers`).
+
+    Args:
+        reserve: slots allocated past the stored entries, so that the next appends write in place; 0: every append
+            copies the stored entries (``torch.cat``).
     """
 
     is_compileable = False
     is_croppable = False  # an eviction cannot be rolled back
-    reserve = 0
-    """Slots allocated past the stored entries, so that the next appends write in place; 0: every append copies the
-    stored entries (``torch.cat``)."""
 
     def __init__(self, policy: CachePolicy, layer_idx: int, owner: str = "PolicyCache",
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, *, reserve: int = 0) -> None:
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
         self.owner = owner
         self.num_layers = num_layers
+        self.appends = AppendBuffers(reserve)
         self._clear()
 
     def _clear(self) -> None:
@@ -84,8 +77,7 @@ class PolicyLayer(CacheLayerMixin):
         self._longest = 0  # entries of the longest head of the ragged part (kept on the host: no sync per step)
         self.window: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        self._spare: dict[str, torch.Tensor] = {}  # keys/values with `reserve` free slots (`_append`)
-        self._lent: set[str] = set()  # the names whose spare buffer another object lent (`lend`)
+        self.appends.clear()
         self._pending: list[tuple[torch.Tensor, int]] = []
         self.seen = 0
         self.observed = 0
@@ -118,8 +110,7 @@ class PolicyLayer(CacheLayerMixin):
         """int64 ``[B, Hkv]`` entries held by every (batch row, KV head)."""
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx} of the {self.owner} holds nothing yet")
-        tail = torch.full(self.keys.shape[:2], self.keys.shape[-2], dtype=torch.long, device=self.keys.device)
-        return tail if self.ragged is None else tail + self.ragged.counts
+        return head_lengths(self.keys, self.ragged)
 
     def positions(self) -> torch.Tensor:
         """``[B, Hkv, S]`` int64 logical position of every rectangular entry, ascending along ``S``."""
@@ -194,7 +185,7 @@ class PolicyLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide if due (``policy.before_append``), append, settle; returns what the attention reads:
-        ``(keys, values)`` ``[B, Hkv, S, D]`` (a ragged layer: a NaN placeholder, see the module docstring)."""
+        ``(keys, values)`` ``[B, Hkv, S, D]`` (a ragged layer: a NaN placeholder, `flexentropy.caches.layout`)."""
         q_len = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -223,9 +214,9 @@ class PolicyLayer(CacheLayerMixin):
         self.previous_generated = self.generated if self.prompt_length is not None else None
         if self.prompt_length is None:
             self.prompt_length = q_len
-        prompt = self.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
-        self.keys = self._append("keys", self.keys, key_states)
-        self.values = self._append("values", self.values, value_states)
+        prompt = self.appends.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
+        self.keys = self.appends.append("keys", self.keys, key_states)
+        self.values = self.appends.append("values", self.values, value_states)
         for name, fill in policy.stats.items():
             new = self.stats[name].new_full((*key_states.shape[:2], q_len), fill)
             self.stats[name] = torch.cat([self.stats[name], new], dim=-1)
@@ -233,37 +224,6 @@ class PolicyLayer(CacheLayerMixin):
         result = (key_states, value_states) if prompt else self._readable()
         self.settle()
         return result
-
-    def lend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold the next appends in ``keys [B, Hkv, C, D]`` and ``values [B, Hkv, C, Dv]``, buffers another object
-        owns (a `StaticLatentKVCache`'s prompt buffers), instead of buffers of the layer's own: with a `reserve`, an
-        append that fits them writes the entries to their front (design.md §2: a prompt's KV held once). An append
-        that does not fit, or a layer without a reserve, allocates as before."""
-        self._spare = {"keys": keys, "values": values}
-        self._lent = {"keys", "values"}
-
-    def _append(self, name: str, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer, and the next
-        append writes into its free slots in place when ``stored`` is still that front (no eviction in between). A
-        buffer `lend` gave takes the entries wherever they are (copied to its front); a buffer of the layer's own is
-        left for a new one when they are elsewhere (after an eviction: the prompt-sized buffer is freed)."""
-        if not self.reserve:
-            return torch.cat([stored, new], dim=-2)
-        used, total = stored.shape[-2], stored.shape[-2] + new.shape[-2]
-        buffer = self._spare.get(name)
-        fits = (buffer is not None and total <= buffer.shape[-2] and stored.shape[:2] == buffer.shape[:2]
-                and stored.shape[-1] == buffer.shape[-1] and stored.dtype == buffer.dtype
-                and stored.device == buffer.device)
-        front = fits and (used == 0 or (stored.data_ptr() == buffer.data_ptr() and stored.stride() == buffer.stride()))
-        if not fits or not (front or name in self._lent):
-            buffer = stored.new_empty(*stored.shape[:2], total + self.reserve, stored.shape[-1])
-            self._spare[name] = buffer
-            self._lent.discard(name)
-            front = used == 0
-        if not front:
-            buffer[:, :, :used].copy_(stored)
-        buffer[:, :, used:total].copy_(new)
-        return buffer[:, :, :total]
 
     def missing_queries(self) -> None:
         """Raise: the layer stored a forward's keys but was handed none of its queries."""
@@ -347,28 +307,11 @@ class PolicyLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:
-        """Attention of the ``L`` newest tokens (whose keys are stored last) over what the layer holds.
-
-        Args:
-            query: ``[B, Hq, L, D]`` post-RoPE.
-            attention_mask: optional bool ``[B, 1, L, T]`` over *logical* key positions ``0 .. T-1`` (True: attend),
-                e.g. a padding mask; the columns of the kept entries are read at their positions.
-            scale: softmax scale (default ``1 / sqrt(D)``).
-
-        Returns:
-            ``[B, Hq, L, Dv]`` in the query's dtype.
-        """
-        if self.ragged is None:
-            if attention_mask is None:
-                return decode_attention(query, self.keys, self.values, scale=scale)
-            return grouped_attention(query, self.keys, self.values, kept_columns(attention_mask, self.positions()),
-                                     scale)
-        ragged_allowed = tail_allowed = None
-        if attention_mask is not None:
-            ragged_allowed, tail_allowed = self.ragged.allowed(attention_mask, self.positions())
-        return ragged_decode_attention(query, self.ragged.keys, self.ragged.values, self.ragged.counts, self.keys,
-                                       self.values, ragged_allowed=ragged_allowed, tail_allowed=tail_allowed,
-                                       scale=scale)
+        """Attention of the ``L`` newest tokens, ``query [B, Hq, L, D]``, over what the layer holds, under an optional
+        bool ``attention_mask [B, 1, L, T]`` over logical key positions -> ``[B, Hq, L, Dv]``
+        (`flexentropy.caches.layout.attend_entries`)."""
+        positions = None if attention_mask is None else self.positions()
+        return attend_entries(query, self.keys, self.values, self.ragged, attention_mask, positions, scale)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for HF masks: what the next ``update`` returns, after any due decision.

@@ -97,7 +97,7 @@ class StaticBuffers:
         """Write entries to the front of layers ``layers``, batch rows ``rows`` (a slice, or int64 indices):
         ``keys [l * b, Hkv, S, D]``, ``values``, ``positions [l * b, Hkv, S]`` and ``real`` (None: every entry
         real), stacked along the batch dim as `stacked` gives them; the slots after them are left as they are.
-        Entries already in place (a layer's keys and values that live in these buffers: `PolicyLayer.lend`) are not
+        Entries already in place (a layer's keys and values that live in these buffers: `AppendBuffers.lend`) are not
         copied."""
         stored, count = keys.shape[-2], len(layers)
         if stored >= self.capacity:

@@ -37,8 +37,9 @@ import torch
 from flexentropy._checks import check_int
 from flexentropy._compile import eager
 from flexentropy.caches.latent_kv import LatentKVCache
+from flexentropy.caches.layout import nan_entries
 from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.caches.policy_layer import PolicyLayer, nan_entries
+from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.caches.progress import Progress
 from flexentropy.caches.static_buffers import StaticBuffers, attend_step, observe_step, write_step
 from flexentropy.caches.static_phase import StaticPhase
@@ -51,8 +52,7 @@ class PhaseOneLayer(PolicyLayer):
     the prompt's entries (a phase-1 step on the dynamic path then copies nothing of the prompt)."""
 
     def __init__(self, policy: Any, *args: Any) -> None:
-        super().__init__(policy, *args)
-        self.reserve = policy.delay
+        super().__init__(policy, *args, reserve=policy.delay)
 
 
 class StaticLatentKVCache(LatentKVCache):

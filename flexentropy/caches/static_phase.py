@@ -136,15 +136,15 @@ class StaticPhase:
 
     def lend_prompt(self, layer: PolicyLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Before ``layer``'s update of ``keys [B, Hkv, L, D]`` and ``values`` on the dynamic path: where its entries
-        after the update and its `reserve` (the ``decode_delay`` slots of phase 1) fit the prompt buffers, lend them to
+        after the update and its reserve (the ``decode_delay`` slots of phase 1) fit the prompt buffers, lend them to
         the layer (allocated at the first such update, kept after), so that its entries live there. A prompt's KV is
         then held once, in the buffers its captured phase 1 reads, not in the layers' own tensors beside them; a
         longer prompt keeps tensors of its own."""
         prompt = self.prompt
-        if prompt is None or layer.stored + keys.shape[-2] + layer.reserve > prompt.capacity:
+        if prompt is None or layer.stored + keys.shape[-2] + layer.appends.reserve > prompt.capacity:
             return
         prompt.allocate(len(self.layers), keys, values)
-        layer.lend(prompt.keys[layer.layer_idx], prompt.values[layer.layer_idx])
+        layer.appends.lend(prompt.keys[layer.layer_idx], prompt.values[layer.layer_idx])
 
     def _prompt_fits(self, first: PolicyLayer) -> bool:
         delay = self.config.decode_delay

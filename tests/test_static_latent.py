@@ -98,7 +98,7 @@ def test_memory_bounded_and_shapes_static() -> None:
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if cache.is_static:
             keys = cache.main.keys[1]
-            counters = cache.static.counters.device
+            counters = cache.static.batch.device
             seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), counters["slot"].data_ptr()))
             valid = (torch.arange(cache.capacity) <= counters["slot"]) & cache.main.real[1]
             prefix = torch.arange(cache.capacity) < counters["lengths"][:, None, None]
@@ -306,7 +306,7 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     """Addresses of every tensor a captured step reads in place (buffers and counters)."""
     main = cache.main
-    tensors = [*cache.static.counters.device.values(), *cache.static.window, *main.keys, *main.values,
+    tensors = [*cache.static.batch.device.values(), *cache.static.window, *main.keys, *main.values,
                *main.positions, *main.real]
     return {tensor.data_ptr() for tensor in tensors}
 
@@ -575,8 +575,8 @@ def test_a_prompt_is_held_once_in_the_prompt_buffers() -> None:
 
     def extra() -> int:
         """Bytes held beyond the buffers, the query windows and the step's counters."""
-        counters = cache.static.counters
-        counters = sum(t.untyped_storage().nbytes() for t in (*counters.device.values(), counters.row_index))
+        rows = cache.static.batch
+        counters = sum(t.untyped_storage().nbytes() for t in (*rows.device.values(), rows.row_index))
         buffers = cache.prompt.nbytes() + cache.main.nbytes()
         return sum(held_storages(cache).values()) - buffers - windows_bytes(cache) - counters
 

@@ -1,10 +1,10 @@
 """`PolicyLayer`: one attention layer's storage in a `PolicyCache`, implementing `LayerView` for its policy.
 
 It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.caches.layout`),
-their logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics, and
-applies the policy's decisions at the two points the policy declares (design.md §3.2): ``before_append`` at the start
-of ``update``, ``when_settled`` once keys, queries and signals of a forward cover the same tokens. Where its appends
-go (buffers with free slots, its own or lent) is `AppendBuffers`'.
+their logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics and its
+counters (a `Progress`), and applies the policy's decisions at the two points the policy declares (design.md §3.2):
+``before_append`` at the start of ``update``, ``when_settled`` once keys, queries and signals of a forward cover the
+same tokens. Where its appends go (buffers with free slots, its own or lent) is `AppendBuffers`'.
 
 Positions. Evictions never renumber: ``seen`` is the logical length (the next RoPE position), ``stored`` the entries
 held, `positions` each entry's token position; ``get_mask_sizes`` gives HF the stored count with an offset.
@@ -12,19 +12,17 @@ held, `positions` each entry's token position; ``get_mask_sizes`` gives HF the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from flexentropy.caches.append_buffers import AppendBuffers
 from flexentropy.caches.layout import attend_entries, head_lengths, nan_entries
+from flexentropy.caches.progress import Counted, Progress
 from flexentropy.kv.keep import gather_kv
 from flexentropy.kv.ragged import RaggedKV
 from flexentropy.policies.base import CachePolicy
-
-if TYPE_CHECKING:
-    from flexentropy.caches.progress import Progress
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -32,7 +30,7 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class PolicyLayer(CacheLayerMixin):
+class PolicyLayer(Counted, CacheLayerMixin):
     """One attention layer's state in a :class:`PolicyCache` (use the cache's methods, not this directly).
 
     Attributes:
@@ -41,9 +39,9 @@ class PolicyLayer(CacheLayerMixin):
         ragged: the ragged part (`RaggedKV`) of a ragged layer, else None.
         window: ``[B, Hq, <= policy.query_window, D]`` the most recent handed-over queries, or None.
         stats: per-entry statistics ``[B, Hkv, S]`` (``policy.stats``), gathered with the entries.
-        seen: tokens appended so far (the logical length). ``observed``: queries handed over so far.
-        prompt_length: tokens of the first ``update`` (None before it). ``evictions``: decisions applied so far.
-        previous_generated: tokens generated before the previous ``update`` (None before the first after the prompt).
+        progress: the counters (`Progress`): ``seen``, ``observed``, ``stored``, ``prompt_length`` (tokens of the
+            first ``update``), ``previous_generated`` (tokens generated before the previous ``update``), ``evictions``
+            (decisions applied), read under their own names (`Counted`).
         signals_until: tokens whose model signals are recorded (signal policies).
         appends: where the appends go (`AppendBuffers`).
 
@@ -74,16 +72,11 @@ class PolicyLayer(CacheLayerMixin):
         self._kept: torch.Tensor | None = None
         self._evicted_at = 0
         self.ragged: RaggedKV | None = None
-        self._longest = 0  # entries of the longest head of the ragged part (kept on the host: no sync per step)
         self.window: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self.appends.clear()
         self._pending: list[tuple[torch.Tensor, int]] = []
-        self.seen = 0
-        self.observed = 0
-        self.prompt_length: int | None = None
-        self.previous_generated: int | None = None
-        self.evictions = 0
+        self.progress = Progress()  # a new one: a static phase may hold the previous one (`StaticPhase`)
         self.signals_until = 0
         self.padding: torch.Tensor | None = None  # [B] int64 left-padding tokens of each row's prompt, or None
         self.sliding_window: int | None = None  # a sliding-window layer keeps its last window - 1 tokens, no policy
@@ -93,18 +86,6 @@ class PolicyLayer(CacheLayerMixin):
     def is_sliding(self) -> bool:
         """Whether the layer attends a sliding window (`PolicyCache.observe_sliding`): HF sizes its masks by it."""
         return self.sliding_window is not None
-
-    @property
-    def stored(self) -> int:
-        """Entries held per KV head (a ragged layer: its longest head)."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.shape[-2] + self._longest
-
-    @property
-    def generated(self) -> int:
-        """Tokens appended after the prompt (the first ``update``)."""
-        return 0 if self.prompt_length is None else self.seen - self.prompt_length
 
     def head_lengths(self) -> torch.Tensor:
         """int64 ``[B, Hkv]`` entries held by every (batch row, KV head)."""
@@ -163,7 +144,7 @@ class PolicyLayer(CacheLayerMixin):
             self.window = torch.cat(parts, dim=2)  # a copy: never a view of a whole prompt's queries
         if self.policy.accumulates:
             self._pending.append((query_states, self.observed))
-        self.observed += query_states.shape[-2]
+        self.progress.observe(query_states.shape[-2])
         self.settle()
 
     def record_signal(self, signal: torch.Tensor) -> None:
@@ -211,16 +192,16 @@ class PolicyLayer(CacheLayerMixin):
             target = policy.before_append(self, q_len)
             if target is not None:
                 self.decide(target, q_len)
-        self.previous_generated = self.generated if self.prompt_length is not None else None
-        if self.prompt_length is None:
-            self.prompt_length = q_len
         prompt = self.appends.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
         self.keys = self.appends.append("keys", self.keys, key_states)
         self.values = self.appends.append("values", self.values, value_states)
         for name, fill in policy.stats.items():
             new = self.stats[name].new_full((*key_states.shape[:2], q_len), fill)
             self.stats[name] = torch.cat([self.stats[name], new], dim=-1)
-        self.seen += q_len
+        progress = self.progress
+        progress.append(q_len)
+        if progress.prompt_length is None:
+            progress.prompt_length = q_len
         result = (key_states, value_states) if prompt else self._readable()
         self.settle()
         return result
@@ -264,30 +245,29 @@ class PolicyLayer(CacheLayerMixin):
         if policy.ragged:
             keep = policy.select_ragged(self, target)
             self.ragged = RaggedKV.from_mask(self.keys, self.values, self.positions(), keep)
-            self._longest = self.ragged.longest
             self.keys = self.keys.new_empty(*self.keys.shape[:2], 0, self.keys.shape[-1])
             self.values = self.values.new_empty(*self.values.shape[:2], 0, self.values.shape[-1])
             self.stats = {name: stat[..., :0] for name, stat in self.stats.items()}
             self._kept = None
+            kept = self.ragged.longest   # a host int, read once per decision (none per step)
         else:
             indices = (policy.select(self, target, incoming) if target > 0
                        else torch.zeros(*self.keys.shape[:2], 0, dtype=torch.long, device=self.keys.device))
-            kept = gather_kv(self.keys, self.values, indices, self.positions())
-            self.keys, self.values, self._kept = kept
+            self.keys, self.values, self._kept = gather_kv(self.keys, self.values, indices, self.positions())
             self.stats = {name: stat.gather(-1, indices) for name, stat in self.stats.items()}
+            kept = indices.shape[-1]
         self._evicted_at = self.seen
-        self.evictions += 1
+        self.progress.keep(kept)
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, window: torch.Tensor,
               padding: torch.Tensor | None, progress: Progress) -> None:
         """Hold ``keys [B, Hkv, S, D]``, ``values`` at positions ``kept [B, Hkv, S]`` with the query ``window`` and
-        ``padding``, counted as ``progress`` says, as after a decision at its last token (a static phase hands its
-        entries back for a later turn's forward)."""
+        ``padding``, counted on from a copy of ``progress`` (its ``stored`` is ``S``), as after a decision at its last
+        token (a static phase hands its entries back for a later turn's forward)."""
         self.is_initialized = True
         self.keys, self.values, self._kept, self.window, self.padding, self.stats = keys, values, kept, window, \
             padding, {}
-        self.seen, self.observed, self.prompt_length = progress.seen, progress.observed, progress.prompt_length
-        self.previous_generated, self.evictions = progress.previous_generated, progress.evictions
+        self.progress = replace(progress)
         self._evicted_at = self.seen
 
     def _keep_last(self, count: int) -> None:
@@ -299,6 +279,7 @@ class PolicyLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[..., -count:, :], self.values[..., -count:, :]
         self.stats = {name: stat[..., -count:] for name, stat in self.stats.items()}
         self._evicted_at = self.seen
+        self.progress.stored = count
 
     def _readable(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ragged is None:
@@ -346,7 +327,7 @@ class PolicyLayer(CacheLayerMixin):
         self._pending = [(q.index_select(0, beam_idx.to(q.device)), first) for q, first in self._pending]
         if self.ragged is not None:
             self.ragged = self.ragged.select_rows(beam_idx)
-            self._longest = self.ragged.longest
+            self.progress.stored = self.keys.shape[-2] + self.ragged.longest
 
     def reset(self) -> None:
         """Drop everything, as before the first forward."""

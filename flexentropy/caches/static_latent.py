@@ -87,7 +87,7 @@ class StaticLatentKVCache(LatentKVCache):
 
     Attributes:
         static: the static phase (`StaticPhase`: its buffers ``main`` and ``prompt``, the stage in use, the query
-            windows and the step's counters).
+            windows and the batch rows with their counts).
     """
 
     layer_class = PhaseOneLayer
@@ -150,7 +150,7 @@ class StaticLatentKVCache(LatentKVCache):
     def progress(self) -> Progress:
         """The static phase's counters, when every row shares them (one request, or a left-padded batch taken
         together); rows served one by one (`insert`) have their own."""
-        return self.static.counters.progress
+        return self.static.batch.progress
 
     # -- rows served one by one ----------------------------------------------------------------------------------------
     def open(self, rows: int, source: LatentKVCache) -> None:
@@ -230,7 +230,7 @@ class StaticLatentKVCache(LatentKVCache):
             return self.capacity if held else 0
         if self.static.stage is None:
             return super().stored_length(layer_idx)
-        return self.static.counters.stored()
+        return self.static.batch.stored()
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Logical length (the next token's position); under compilation in a static stage the 0-dim tensor of the
@@ -238,8 +238,8 @@ class StaticLatentKVCache(LatentKVCache):
         if self.static.stage is None:
             return self.layers[layer_idx].get_seq_length()
         if torch.compiler.is_compiling():
-            return self.static.counters.device["position"][0]
-        return self.static.counters.seen()
+            return self.static.batch.device["position"][0]
+        return self.static.batch.seen()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """A prompt: its own size; any later forward ``(C, 0)``, a constant (the steps ignore HF's mask): one mask

@@ -2,10 +2,11 @@
 
 It owns the preallocated buffers (`StaticBuffers`: ``main`` of ``decode_budget + recompress_every`` entries per KV
 head, and with ``max_prompt_length`` the ``prompt`` buffers of a captured phase 1), one query window per layer, and
-the step's counters (`StepCounters`: the host's and the device's). A step's host work is `prepare` (entering the
-static phase, leaving it for a later turn, the decisions due); the step itself runs each layer's `StepLayer`
-(`step_layer`, `flexentropy.caches.static_buffers.step_attention`); then `advance` (device) and `count` (host). The
-decode engine's step driver (`flexentropy.engine.driver`) is what calls `prepare`, `advance` and `count`.
+its batch rows (`BatchRows`: each row's `Progress` and the device's copy of the counts). A step's host work is
+`prepare` (entering the static phase, leaving it for a later turn, the decisions due); the step itself runs each
+layer's `StepLayer` (`step_layer`, `flexentropy.caches.static_buffers.step_attention`); then `advance` (device) and
+`count` (host). The decode engine's step driver (`flexentropy.engine.driver`) is what calls `prepare`, `advance` and
+`count`.
 
 Decisions: on the steps where the latent policy decides (the first eviction, each recompression), `prepare` runs the
 decision for every layer at once on a `StackedView` of the buffers (score -> keep -> gather, as `LatentKVCache`
@@ -18,15 +19,16 @@ each entered on its own (`insert`), counting and deciding on its own, and freed 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from flexentropy._checks import check_int
+from flexentropy.caches.batch_rows import BatchRows, Rows
 from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.caches.progress import Progress
 from flexentropy.caches.static_buffers import StackedView, StaticBuffers, StepLayer, static_buffer
-from flexentropy.caches.step_counters import Rows, StepCounters
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode_attention import flash_decode_usable
 from flexentropy.kv.keep import gather_kv
@@ -50,7 +52,8 @@ class StaticPhase:
         main, prompt: the buffers of the static phase proper and of a captured phase 1 (or None).
         stage: the buffers the steps use now (``main`` or ``prompt``); None on the dynamic path.
         window: per layer, the query window ``[B, Hq, W, D]``.
-        counters: the host's and the device's counters (`StepCounters`).
+        batch: the batch rows (`BatchRows`: each row's `Progress`, and the device's counters ``slot``, ``lengths``,
+            ``position``).
         padding: left-padding tokens of each row ``[B]``, or None.
         flash: whether the steps attend with flash-attn-4's kernel.
     """
@@ -62,7 +65,7 @@ class StaticPhase:
         self.main = StaticBuffers(config.decode_budget + config.recompress_every)
         self.prompt = StaticBuffers(max_prompt_length + delay) if max_prompt_length is not None and delay else None
         self.window: list[torch.Tensor] = []
-        self.counters = StepCounters()
+        self.batch = BatchRows()
         self.flash = False
         self.clear()
 
@@ -71,7 +74,7 @@ class StaticPhase:
         with them)."""
         self.stage: StaticBuffers | None = None
         self.padding: torch.Tensor | None = None
-        self.counters.clear()
+        self.batch.clear()
 
     @property
     def capacity(self) -> int:
@@ -96,18 +99,18 @@ class StaticPhase:
                 self._enter_prompt()
             return   # else a phase-1 step on the dynamic path
         if q_len != 1:
-            groups = self.counters.groups
+            groups = self.batch.groups
             if len(groups) != 1 or groups[0][0].prompt_length is None:
                 raise ValueError(f"{self.owner} serves its rows one by one (open, insert, free), and a forward of "
                                  f"{q_len} tokens is a step of none of them: call cache.reset() before another "
                                  f"request on this cache")
             self._leave(q_len)
             return
-        for progress, rows in self.counters.groups:
+        for progress, rows in self.batch.groups:
             if progress.prompt_length is None:   # idle rows (`free`): their slot starts over before the end
                 if progress.stored + 1 >= self.capacity:
                     progress.start_over()
-                    self.counters.mirror(progress, rows)
+                    self.batch.mirror(progress, rows)
                 continue
             target = self.policy.before_append(progress, 1)
             leaving_prompt = self.stage is self.prompt and progress.generated >= self.config.decode_delay
@@ -115,14 +118,16 @@ class StaticPhase:
                 self._evict(target, progress, rows)
 
     def advance(self) -> None:
-        """The device's end of a static step: its counters one token on (inside the step's graph)."""
-        self.counters.advance()
+        """The device's end of a static step: every row's counters one token on (inside the step's graph)."""
+        torch._foreach_add_(list(self.batch.device.values()), 1)
 
     def count(self, tokens: int) -> None:
-        """The host's end of a step of ``tokens`` tokens: counted when it was a static step (on the dynamic path the
-        layers count their own)."""
+        """The host's end of a step of ``tokens`` tokens: when it was a static step, every group of rows counts it (on
+        the dynamic path the layers count their own)."""
         if self.stage is not None:
-            self.counters.count(tokens)
+            for progress, _ in self.batch.groups:
+                progress.observe(tokens)
+                progress.append(tokens)
 
     def _check_layers(self) -> None:
         missing = [layer.layer_idx for layer in self.layers if layer.prompt_length is None]
@@ -162,7 +167,7 @@ class StaticPhase:
         size, held = self.config.decode_window, first.window.shape[2]
         torch._foreach_copy_([window[:, :, size - held:] for window in self.window],
                              [layer.window for layer in self.layers])
-        self.counters.share(Progress.of(first))
+        self.batch.share(first.progress)   # the count goes on in the static phase (the layers get new ones)
         self.padding = first.padding
 
     def _allocate_rows(self, rows: int, window: torch.Tensor) -> None:
@@ -172,13 +177,13 @@ class StaticPhase:
         kept = self.window[0] if self.window else None
         if kept is None or kept.shape != shape or kept.dtype != window.dtype or kept.device != window.device:
             self.window = [static_buffer(shape, window.dtype, window.device) for _ in self.layers]
-        self.counters.allocate(rows, window.device)
+        self.batch.allocate(rows, window.device)
 
     def _enter(self, stage: StaticBuffers) -> None:
         """Make ``stage`` the one the steps use, its counters at the stored entries; drop the layers' state."""
         self.stage = stage
         self.flash = flash_decode_usable(self.config.decode_kernel, stage.keys[0], padded=self.padding is not None)
-        self.counters.mirror(self.counters.progress, slice(None))
+        self.batch.mirror(self.batch.progress, slice(None))
         for layer in self.layers:
             layer.reset()
 
@@ -212,7 +217,7 @@ class StaticPhase:
                 keys, values, positions = gather_kv(keys, values, self.policy.select(layer, target, 1), positions)
             self.main.store(range(index, index + 1), keys, values, positions, self._real(positions, 1))
             layer.reset()
-        self.counters.progress.keep(target)
+        self.batch.progress.keep(target)
         self._enter(self.main)
 
     def _evict(self, target: int | None, progress: Progress, rows: Rows) -> None:
@@ -225,7 +230,7 @@ class StaticPhase:
         layers = len(self.layers)
         held = min(self.config.decode_window, progress.observed)
         heads, size = self.window[0].shape[1:3]
-        batch = len(self.counters.row_index[rows])
+        batch = len(self.batch.row_index[rows])
         chunk = max(1, min(layers, SCORE_ELEMENTS // (batch * heads * held * max(progress.stored, 1))))
         padding = None if self.padding is None else self.padding[rows]
         for start in range(0, layers, chunk):
@@ -238,7 +243,7 @@ class StaticPhase:
             self.main.store(part, keys, values, positions, self._real(positions, len(part), rows), rows)
         progress.keep(target)
         if source is self.main:
-            self.counters.mirror(progress, rows)
+            self.batch.mirror(progress, rows)
         else:
             self._enter(self.main)
 
@@ -248,7 +253,7 @@ class StaticPhase:
 
         The layers get views of the stage's entries (nothing writes the buffers on the dynamic path; the layers copy
         them when they append or evict), so that leaving the prompt buffers does not copy the prompt."""
-        stage, progress = self.stage, self.counters.progress
+        stage, progress = self.stage, self.batch.progress
         held, size = min(self.config.decode_window, progress.observed), self.config.decode_window
         for index, layer in enumerate(self.layers):
             layer.adopt(stage.keys[index][:, :, :progress.stored], stage.values[index][:, :, :progress.stored],
@@ -277,7 +282,7 @@ class StaticPhase:
         self.main.allocate(len(self.layers), first.keys.expand(rows, -1, -1, -1),
                            first.values.expand(rows, -1, -1, -1))
         self._allocate_rows(rows, first.window)
-        self.counters.share(Progress())
+        self.batch.share(Progress())
         self.stage = self.main
         self.flash = flash_decode_usable(self.config.decode_kernel, self.main.keys[0], padded=False)
 
@@ -289,46 +294,46 @@ class StaticPhase:
         if first.stored >= self.capacity:
             raise ValueError(f"insert: the request holds {first.stored} entries per KV head, more than the buffers' "
                              f"{self.capacity - 1}: evict it first (decode_delay=0 evicts at the end of the prompt)")
-        index = self.counters.row_index[row:row + 1]
+        index = self.batch.row_index[row:row + 1]
         held, size = first.window.shape[2], self.config.decode_window
         for layer_idx, layer in enumerate(source.layers):
             self.main.store(range(layer_idx, layer_idx + 1), layer.keys, layer.values, layer.positions(), None, index)
             self.window[layer_idx][row:row + 1, :, size - held:].copy_(layer.window)
-        self.counters.put(row, Progress.of(first))
+        self.batch.put(row, replace(first.progress))
 
     def free(self, row: int) -> None:
         """Batch row ``row`` is idle from its next step (its entries are left to be overwritten)."""
         self._check_row(row)
-        self.counters.put(row, self.counters.idle())
+        self.batch.put(row, self.batch.idle())
 
     def _check_row(self, row: int) -> None:
-        if self.stage is not self.main or not self.counters.rows:
+        if self.stage is not self.main or not self.batch.rows:
             raise RuntimeError(f"{self.owner}: open(rows, source) before insert or free")
-        if not 0 <= row < len(self.counters.rows):
-            raise ValueError(f"row must be in [0, {len(self.counters.rows)}), got {row}")
+        if not 0 <= row < len(self.batch.rows):
+            raise ValueError(f"row must be in [0, {len(self.batch.rows)}), got {row}")
 
     # -- the step ----------------------------------------------------------------------------------------------------
     def step_layer(self, layer_idx: int) -> StepLayer:
         """Layer ``layer_idx``'s buffers in the current stage, its query window and the step's counters."""
-        return self.stage.layer(layer_idx, self.window[layer_idx], self.counters.device, self.flash)
+        return self.stage.layer(layer_idx, self.window[layer_idx], self.batch.device, self.flash)
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of what a step changes in place besides its own slot (the device counters and the query windows):
         recording a step runs it, and `restore` undoes that."""
-        return [tensor.clone() for tensor in (*self.window, *self.counters.device.values())]
+        return [tensor.clone() for tensor in (*self.window, *self.batch.device.values())]
 
     def restore(self, saved: list[torch.Tensor]) -> None:
         """Put back a `snapshot`."""
-        torch._foreach_copy_([*self.window, *self.counters.device.values()], saved)
+        torch._foreach_copy_([*self.window, *self.batch.device.values()], saved)
 
     # -- readers -----------------------------------------------------------------------------------------------------
     def entries(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[B, Hkv, S, D]`` layer ``layer_idx`` holds now (views of the stage's buffers)."""
-        stored = self.counters.progress.stored
+        stored = self.batch.progress.stored
         return self.stage.keys[layer_idx][:, :, :stored], self.stage.values[layer_idx][:, :, :stored]
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
-        return self.stage.positions[layer_idx][:, :, :self.counters.stored()]
+        return self.stage.positions[layer_idx][:, :, :self.batch.stored()]
 
     def nbytes(self) -> int:
         """Bytes of every buffer (their whole capacity), prompt buffers and query windows included."""

@@ -20,8 +20,8 @@ from transformers.generation import CompileConfig
 
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.caches.dynamic_phase import layer_attention
 from flexentropy.caches.progress import Progress
-from flexentropy.caches.static_latent import layer_attention
 from flexentropy.engine import begin_step, end_step
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.decode_attention import flash_decode
@@ -386,21 +386,22 @@ def test_a_hand_loop_may_prepare_each_step_itself() -> None:
 
 
 def test_only_the_driver_prepares_and_advances_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's host work (`StaticPhase.prepare`), its device advance and its host count are called from the step
-    driver's module only, whatever runs the step: ``generate`` eagerly (the decoder's hooks call the driver's
-    ``begin_step``/``end_step``) or compiled (the `StepDriver`), `fe.greedy_generate`, `fe.generate_batch`, a hand
-    loop over the model's forward. Each forward is prepared once, each static step advanced and counted once."""
+    """A step's host work (the cache's `prepare`, which sets its current phase), its device advance and its host
+    count (the static phase's) are called from the step driver's module only, whatever runs the step: ``generate``
+    eagerly (the decoder's hooks call the driver's ``begin_step``/``end_step``) or compiled (the `StepDriver`),
+    `fe.greedy_generate`, `fe.generate_batch`, a hand loop over the model's forward. Each forward is prepared once,
+    each static step advanced and counted once."""
     import sys
 
     from flexentropy.caches.static_phase import StaticPhase
 
     calls: list[tuple[str, str]] = []
-    for name in ("prepare", "advance", "count"):
-        def wrapped(self: StaticPhase, *args: object, _name: str = name, _original: object = getattr(StaticPhase, name)
+    for owner, name in ((StaticLatentKVCache, "prepare"), (StaticPhase, "advance"), (StaticPhase, "count")):
+        def wrapped(self: object, *args: object, _name: str = name, _original: object = getattr(owner, name)
                     ) -> None:
             calls.append((_name, sys._getframe(1).f_globals["__name__"]))
             _original(self, *args)
-        monkeypatch.setattr(StaticPhase, name, wrapped)
+        monkeypatch.setattr(owner, name, wrapped)
     model, ids, new = model_for("llama", EVICTING), prompt(300), 40
 
     def hand_loop() -> None:

@@ -7,8 +7,11 @@
 - :mod:`.policy_cache`: `PolicyCache`, the ``Cache`` of every policy, and its hand-over methods;
 - :mod:`.latent_kv`: `LatentKVCache`, the paper's latent eviction configured by an `EntropyConfig`;
 - :mod:`.static_latent`: `StaticLatentKVCache`, the latent cache with static shapes after its first eviction
-  (captured decoding): the transformers-facing facade over its static phase;
-- :mod:`.static_phase`: `StaticPhase`, that static phase (entering, deciding, rows, leaving, the step's layers);
+  (captured decoding): the transformers-facing facade over its current phase (:mod:`.phase`: `CachePhase`, the reads
+  and writes both phases offer);
+- :mod:`.dynamic_phase`: `DynamicPhase`, its layers (the prompt, phase 1, a later turn) and the way into the static
+  phase;
+- :mod:`.static_phase`: `StaticPhase`, the static phase (entering, deciding, rows, leaving, the step's layers);
 - :mod:`.static_buffers`: its buffers (`StaticBuffers`) and a layer's step (`StepLayer`, `step_attention`);
 - :mod:`.batch_rows`: its batch rows (`BatchRows`): one `Progress` per group of rows, and the device's copy of the
   counts;

@@ -78,9 +78,8 @@ def plan_bytes(model: Any) -> int:
 def cache_bytes(cache: Any) -> int | None:
     """Bytes a cache holds after the request: a `StaticLatentKVCache`'s buffers (kept across requests) and layers,
     another flexentropy cache's own count, a transformers cache's keys and values."""
-    static = getattr(cache, "static", None)
-    if static is not None:
-        return static.nbytes() + (cache.nbytes() if static.stage is None else 0)
+    if hasattr(cache, "static"):
+        return cache.static.nbytes() + cache.dynamic.nbytes()
     if hasattr(cache, "nbytes"):
         return cache.nbytes()
     layers = getattr(cache, "layers", [])

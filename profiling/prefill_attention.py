@@ -35,7 +35,7 @@ from common import (  # noqa: E402
 )
 
 import flexentropy as fe  # noqa: E402
-from flexentropy.prefill import estimate  # noqa: E402
+from flexentropy.prefill import probe_mass  # noqa: E402
 from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
 from flexentropy.prefill.entropies import segment_entropy  # noqa: E402
 from flexentropy.prefill.observation import candidate_blocks, observation_attention  # noqa: E402
@@ -101,11 +101,11 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
     }
     if cfg.observation == "probe":   # the probe kernel (probe_mass_kernel) against the compiled scored path
         def probe(kernel: bool, constant: str | None = None, value: int | None = None) -> Callable[[], torch.Tensor]:
-            """The probe observation by the kernel or the compiled scored path, with ``estimate.<constant>`` set."""
+            """The probe observation by the kernel or the compiled scored path, with ``probe_mass.<constant>`` set."""
             def run() -> torch.Tensor:
-                with patch.object(estimate, constant, value) if constant else contextlib.nullcontext():
-                    mass = estimate.probe_block_mass(q, k, cfg.segment_size, cfg.block_size, cfg.probes,
-                                                     cfg.observation_scale, kernel=kernel, compiled=True)
+                with patch.object(probe_mass, constant, value) if constant else contextlib.nullcontext():
+                    mass = probe_mass.probe_block_mass(q, k, cfg.segment_size, cfg.block_size, cfg.probes,
+                                                       cfg.observation_scale, kernel=kernel, compiled=True)
                     return mass.float() * candidate_blocks(*mass.shape[-2:], cfg.segment_size, cfg.block_size,
                                                            q.device)
             return run
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(the library's PROBE_CHUNK_SCORES_COMPILED is 2^28)")
     p.add_argument("--probe-value-dims", type=int, nargs="*", default=[],
                    help="probe observation: also time its kernel with one-hot values of these widths "
-                        "(estimate.PROBE_VALUE_DIM; the library's is the head dim)")
+                        "(probe_mass.PROBE_VALUE_DIM; the library's is the head dim)")
     p.add_argument("--probe-kernel", choices=list(PROBE_KERNEL), default="auto",
                    help="EntropyConfig.probe_kernel of the library's path (select_compiled_ms, sparse_total_ms)")
     p.add_argument("--device", default="cuda")

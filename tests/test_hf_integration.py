@@ -425,7 +425,7 @@ def test_padded_batch_after_eviction_masks_padding(arch: str) -> None:
     ids, mask, _ = left_padded((PROMPT, 400))
     _, model = twins(arch, SMALL)
     cache = LatentKVCache(SMALL)
-    with mock.patch("flexentropy.caches.policy_layer.kept_columns", wraps=kept_columns) as gathered:
+    with mock.patch("flexentropy.caches.layout.kept_columns", wraps=kept_columns) as gathered:
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     assert all(torch.isfinite(step).all() for step in out.logits)

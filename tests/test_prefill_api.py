@@ -435,11 +435,11 @@ def test_cpu_autograd_gets_a_clear_error() -> None:
 def test_probe_kernel_knob_selects_the_same_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``probe_kernel=True`` routes the probe through `probe_mass_kernel` (eager flex off CUDA): same masses to float
     rounding, so the same plan here. The default (``None``, auto) takes the scored path on CPU."""
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
     calls = []
-    kernel_fn = estimate.probe_mass_kernel
-    monkeypatch.setattr(estimate, "probe_mass_kernel", lambda *a, **kw: calls.append(1) or kernel_fn(*a, **kw))
+    kernel_fn = probe_mass.probe_mass_kernel
+    monkeypatch.setattr(probe_mass, "probe_mass_kernel", lambda *a, **kw: calls.append(1) or kernel_fn(*a, **kw))
     with pytest.raises(TypeError, match="probe_kernel must be a bool or None"):
         EntropyConfig(probe_kernel=1)
     gen = torch.Generator().manual_seed(3)

@@ -282,16 +282,16 @@ def test_cuda_probe_kernel_matches_the_scored_path(n: int, segment: int, dtype: 
     and with values narrower than the head dim (``PROBE_VALUE_DIM``).
     Until session 9 the kernel lost up to 28% of a probe's mass on the H200 (its BlockMask built inside the compiled
     graph); ``profiling/quality/probe_kernel_check.py`` is the same check as a script."""
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
     if outputs:
-        monkeypatch.setattr(estimate, "PROBE_KERNEL_OUTPUTS", outputs)
-    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", value_dim)
+        monkeypatch.setattr(probe_mass, "PROBE_KERNEL_OUTPUTS", outputs)
+    monkeypatch.setattr(probe_mass, "PROBE_VALUE_DIM", value_dim)
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(1, 8, n, 128, device="cuda", generator=gen).to(dtype)
     k = torch.randn(1, 2, n, 128, device="cuda", generator=gen).to(dtype)
-    fast = estimate.probe_block_mass(q, k, segment, 128, 16, kernel=True)
-    slow = estimate.probe_block_mass(q, k, segment, 128, 16, compiled=True)
+    fast = probe_mass.probe_block_mass(q, k, segment, 128, 16, kernel=True)
+    slow = probe_mass.probe_block_mass(q, k, segment, 128, 16, compiled=True)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(fast, slow, atol=tol, rtol=0)
     torch.testing.assert_close(fast.sum(-1), torch.ones_like(fast[..., 0]), atol=10 * tol, rtol=0)
@@ -303,15 +303,15 @@ def test_cuda_probe_kernel_compiles_once_for_every_length(monkeypatch: pytest.Mo
     `flexentropy.warm_up` promises. Session 12 on the H200: with the chunks on the batch dim (1 at one chunk, which
     dynamo specialises) and views as inputs, a 64k prompt compiled again after a warm-up at 8k and 12k; with the
     chunks on the head dim (flex specialises head counts), every new chunk count compiled again."""
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
-    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", 32)          # chunks of 4096 keys, two 128-row query blocks
+    monkeypatch.setattr(probe_mass, "PROBE_VALUE_DIM", 32)          # chunks of 4096 keys, two 128-row query blocks
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def observe(n: int) -> None:
         q = torch.randn(1, 8, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
         k = torch.randn(1, 2, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
-        estimate.probe_block_mass(q, k, 256, 128, 16, kernel=True)
+        probe_mass.probe_block_mass(q, k, 256, 128, 16, kernel=True)
 
     for n in (3000, 4500):                            # one key chunk (and an empty one), 2 and 3 query blocks
         observe(n)
@@ -327,7 +327,7 @@ def test_probe_kernel_inputs_keep_one_layout(monkeypatch: pytest.MonkeyPatch) ->
     at several; the masses are the scored path's (run by eager flex here, on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
     calls = []
 
@@ -335,20 +335,20 @@ def test_probe_kernel_inputs_keep_one_layout(monkeypatch: pytest.MonkeyPatch) ->
         calls.append([(t.shape, t._base is None) for t in (query, key, value)])
         return flex_attention(query, key, value, **kwargs)
 
-    monkeypatch.setattr(estimate, "_compiled_flex", spy)
-    monkeypatch.setattr(estimate, "PROBE_VALUE_DIM", 16)
+    monkeypatch.setattr(probe_mass, "_compiled_flex", spy)
+    monkeypatch.setattr(probe_mass, "PROBE_VALUE_DIM", 16)
     gen = torch.Generator().manual_seed(0)
     for batch, n, chunks in ((1, 700, 2), (2, 700, 2), (1, 5000, 3)):
         calls.clear()
         q, k = torch.randn(batch, 4, n, 16, generator=gen), torch.randn(batch, 2, n, 16, generator=gen)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)   # eager flex: "called without torch.compile()"
-            fast = estimate.probe_mass_kernel(q, k, 256, 128, 16, compiled=True)
+            fast = probe_mass.probe_mass_kernel(q, k, 256, 128, 16, compiled=True)
         (query, key, value), = calls
         assert (query, key, value) == ((torch.Size([chunks * batch, 4, -(-n // 256) * 16, 16]), True),
                                        (torch.Size([chunks * batch, 2, 16 * 128, 16]), True),
                                        (torch.Size([chunks * batch, 2, 16 * 128, 16]), True))
-        torch.testing.assert_close(fast, estimate.probe_block_mass(q, k, 256, 128, 16).float(), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(fast, probe_mass.probe_block_mass(q, k, 256, 128, 16).float(), atol=2e-6, rtol=1e-5)
 
 
 def test_density_counts_blocks() -> None:
@@ -392,20 +392,20 @@ def test_pooled_block_mass_matches_oracle(n: int, dim: int, group: int, probes: 
     """`pooled_block_mass` is the float64 oracle's pooled probe (every block as copies of its mean key up to the
     probe) on the candidate blocks, over ragged N, GQA and several chunks of probe rows; with the keys of every block
     equal it is the exact probe mass of `probe_block_mass`, and its rows sum to 1."""
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2
     k = torch.randn(1, 2, n, dim, generator=gen) * 2
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(estimate, "PROBE_CHUNK_SCORES", chunk)
-        pooled = estimate.pooled_block_mass(q, k, 256, block, probes, scale)
+        patch.setattr(probe_mass, "PROBE_CHUNK_SCORES", chunk)
+        pooled = probe_mass.pooled_block_mass(q, k, 256, block, probes, scale)
         flat = k[:, :, ::block].repeat_interleave(block, 2)[:, :, :n]
-        same = estimate.pooled_block_mass(q, flat, 256, block, probes, scale)
+        same = probe_mass.pooled_block_mass(q, flat, 256, block, probes, scale)
     oracle = reference.prefill.probe_observation(q, k, 256, block, probes, scale, pooled=True)
     torch.testing.assert_close((pooled * (oracle != 0)).double(), oracle, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pooled.sum(-1), torch.ones_like(pooled[..., 0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(same, estimate.probe_block_mass(q, flat, 256, block, probes, scale), atol=1e-5,
+    torch.testing.assert_close(same, probe_mass.probe_block_mass(q, flat, 256, block, probes, scale), atol=1e-5,
                                rtol=1e-4)
 
 
@@ -420,17 +420,17 @@ def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, p
     is `probe_block_mass`'s scored path and, on the candidate blocks, `reference.prefill.probe_observation`: several key
     chunks (V * block < N), GQA, ragged N, several calls over probe rows (a small output cap), and values narrower
     than the head dim (`PROBE_VALUE_DIM`)."""
-    from flexentropy.prefill import estimate
+    from flexentropy.prefill import probe_mass
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2
     k = torch.randn(1, 2, n, dim, generator=gen) * 2
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(estimate, "PROBE_KERNEL_OUTPUTS", outputs)
-        patch.setattr(estimate, "PROBE_VALUE_DIM", value_dim)
+        patch.setattr(probe_mass, "PROBE_KERNEL_OUTPUTS", outputs)
+        patch.setattr(probe_mass, "PROBE_VALUE_DIM", value_dim)
         warnings.simplefilter("ignore", UserWarning)   # eager flex: "called without torch.compile()"
-        fast = estimate.probe_mass_kernel(q, k, 256, block, probes, scale, compiled=False)
-    slow = estimate.probe_block_mass(q, k, 256, block, probes, scale, kernel=False)
+        fast = probe_mass.probe_mass_kernel(q, k, 256, block, probes, scale, compiled=False)
+    slow = probe_mass.probe_block_mass(q, k, 256, block, probes, scale, kernel=False)
     assert fast.shape == slow.shape
     torch.testing.assert_close(fast, slow.float(), atol=2e-6, rtol=1e-5)
     # and the float64 oracle on the candidate blocks (the observation keeps those only)

@@ -21,8 +21,8 @@ from transformers.generation import CompileConfig
 
 import flexentropy as fe
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache
+from flexentropy.caches.dynamic_phase import layer_attention
 from flexentropy.caches.progress import Progress
-from flexentropy.caches.static_latent import layer_attention
 from flexentropy.engine import begin_step, end_step
 from flexentropy.integrations.hf import cache_keyword, enable
 from flexentropy.kv.decode_attention import flash_decode
@@ -99,7 +99,7 @@ def test_memory_bounded_and_shapes_static() -> None:
     def record(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if cache.is_static:
             keys = cache.main.keys[1]
-            counters = cache.static.counters.device
+            counters = cache.static.batch.device
             seen.append((cache.nbytes(), tuple(keys.shape), keys.data_ptr(), counters["slot"].data_ptr()))
             valid = (torch.arange(cache.capacity) <= counters["slot"]) & cache.main.real[1]
             prefix = torch.arange(cache.capacity) < counters["lengths"][:, None, None]
@@ -307,7 +307,7 @@ def test_every_layer_matches_the_dense_oracle(case: dict) -> None:
 def static_addresses(cache: StaticLatentKVCache) -> set[int]:
     """Addresses of every tensor a captured step reads in place (buffers and counters)."""
     main = cache.main
-    tensors = [*cache.static.counters.device.values(), *cache.static.window, *main.keys, *main.values,
+    tensors = [*cache.static.batch.device.values(), *cache.static.window, *main.keys, *main.values,
                *main.positions, *main.real]
     return {tensor.data_ptr() for tensor in tensors}
 
@@ -387,21 +387,22 @@ def test_a_hand_loop_may_prepare_each_step_itself() -> None:
 
 
 def test_only_the_driver_prepares_and_advances_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's host work (`StaticPhase.prepare`), its device advance and its host count are called from the step
-    driver's module only, whatever runs the step: ``generate`` eagerly (the decoder's hooks call the driver's
-    ``begin_step``/``end_step``) or compiled (the `StepDriver`), `fe.greedy_generate`, `fe.generate_batch`, a hand
-    loop over the model's forward. Each forward is prepared once, each static step advanced and counted once."""
+    """A step's host work (the cache's `prepare`, which sets its current phase), its device advance and its host
+    count (the static phase's) are called from the step driver's module only, whatever runs the step: ``generate``
+    eagerly (the decoder's hooks call the driver's ``begin_step``/``end_step``) or compiled (the `StepDriver`),
+    `fe.greedy_generate`, `fe.generate_batch`, a hand loop over the model's forward. Each forward is prepared once,
+    each static step advanced and counted once."""
     import sys
 
     from flexentropy.caches.static_phase import StaticPhase
 
     calls: list[tuple[str, str]] = []
-    for name in ("prepare", "advance", "count"):
-        def wrapped(self: StaticPhase, *args: object, _name: str = name, _original: object = getattr(StaticPhase, name)
+    for owner, name in ((StaticLatentKVCache, "prepare"), (StaticPhase, "advance"), (StaticPhase, "count")):
+        def wrapped(self: object, *args: object, _name: str = name, _original: object = getattr(owner, name)
                     ) -> None:
             calls.append((_name, sys._getframe(1).f_globals["__name__"]))
             _original(self, *args)
-        monkeypatch.setattr(StaticPhase, name, wrapped)
+        monkeypatch.setattr(owner, name, wrapped)
     model, ids, new = model_for("llama", EVICTING), prompt(300), 40
 
     def hand_loop() -> None:
@@ -576,8 +577,8 @@ def test_a_prompt_is_held_once_in_the_prompt_buffers() -> None:
 
     def extra() -> int:
         """Bytes held beyond the buffers, the query windows and the step's counters."""
-        counters = cache.static.counters
-        counters = sum(t.untyped_storage().nbytes() for t in (*counters.device.values(), counters.row_index))
+        rows = cache.static.batch
+        counters = sum(t.untyped_storage().nbytes() for t in (*rows.device.values(), rows.row_index))
         buffers = cache.prompt.nbytes() + cache.main.nbytes()
         return sum(held_storages(cache).values()) - buffers - windows_bytes(cache) - counters
 
@@ -806,21 +807,6 @@ def test_plain_loop_static_matches_dynamic_entropy_attention() -> None:
     static = plain_run(model, ids, 40, config=COVERING)
     assert torch.equal(static, plain_run(model, ids, 40, cache_class=LatentKVCache, config=COVERING))
     assert len(set(static[0].tolist())) > 5  # a random model that is not stuck on one token
-
-
-def test_deprecated_plain_loop_warns_and_runs_on_the_drivers_steps() -> None:
-    """`fe.greedy_decode` and `fe.compile_step` still work, on the driver's ``begin_step``/``end_step``, and say they
-    are deprecated."""
-    torch.manual_seed(0)
-    model = TinyEntropyLM(COVERING.replace(dense_prefix=4096)).eval()
-    ids = prompt(200)
-    cache = StaticLatentKVCache(COVERING, num_layers=len(model.layers))
-    with pytest.warns(DeprecationWarning, match="compile_step is deprecated"):
-        compiled = fe.compile_step(model, device="cpu", backend="eager")
-    with torch.no_grad(), pytest.warns(DeprecationWarning, match="greedy_decode is deprecated"):
-        first = model(ids, cache)[:, -1:].argmax(dim=-1)
-        got = fe.greedy_decode(model, cache, first, ids.shape[1], 20, compiled=compiled)
-    assert torch.equal(got, plain_run(model, ids, 20, config=COVERING))
 
 
 @pytest.mark.slow

@@ -245,9 +245,9 @@ class PolicyCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states [B, Hkv, q_len, D]``, ``value_states [B, Hkv, q_len, Dv]`` to layer ``layer_idx``
         (deciding first when due) and return the layer's stored ``(keys, values)``, ``[B, Hkv, S, D]``."""
-        return self._checked_layer(key_states, value_states, layer_idx).update(key_states, value_states)
+        return self.checked_layer(key_states, value_states, layer_idx).update(key_states, value_states)
 
-    def _checked_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> PolicyLayer:
+    def checked_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> PolicyLayer:
         """Layer ``layer_idx``, once an ``update`` of ``key_states`` and ``value_states`` is checked (shapes, dims
         across layers, the previous layer's queries)."""
         for name, tensor in (("key_states", key_states), ("value_states", value_states)):

@@ -1,32 +1,28 @@
 """`PolicyLayer`: one attention layer's storage in a `PolicyCache`, implementing `LayerView` for its policy.
 
-It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.kv.ragged`), their
-logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics, and applies
-the policy's decisions at the two points the policy declares (design.md §3.2): ``before_append`` at the start of
-``update``, ``when_settled`` once keys, queries and signals of a forward cover the same tokens.
+It holds the entries per KV head (rectangular, or ragged after a per-head decision: `flexentropy.caches.layout`),
+their logical positions after evictions, the rolling window of handed-over queries, the per-entry statistics and its
+counters (a `Progress`), and applies the policy's decisions at the two points the policy declares (design.md §3.2):
+``before_append`` at the start of ``update``, ``when_settled`` once keys, queries and signals of a forward cover the
+same tokens. Where its appends go (buffers with free slots, its own or lent) is `AppendBuffers`'.
 
 Positions. Evictions never renumber: ``seen`` is the logical length (the next RoPE position), ``stored`` the entries
 held, `positions` each entry's token position; ``get_mask_sizes`` gives HF the stored count with an offset.
-
-Ragged layers. After a ragged decision (AdaKV) the kept entries are stored flat (`RaggedKV`), plus a rectangular tail
-of later tokens. HF attention code cannot read that layout: ``update`` then returns a zero-memory NaN placeholder of
-the padded shape (a reader that does not know the layout fails loudly), and attention goes through `attend`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from flexentropy.kv.decode_attention import decode_attention, grouped_attention, kept_columns
+from flexentropy.caches.append_buffers import AppendBuffers
+from flexentropy.caches.layout import attend_entries, head_lengths, nan_entries
+from flexentropy.caches.progress import Counted, Progress
 from flexentropy.kv.keep import gather_kv
-from flexentropy.kv.ragged import RaggedKV, ragged_decode_attention
+from flexentropy.kv.ragged import RaggedKV
 from flexentropy.policies.base import CachePolicy
-
-if TYPE_CHECKING:
-    from flexentropy.caches.progress import Progress
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -34,15 +30,7 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def nan_entries(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-memory NaN keys and values ``[B, Hkv, count, D]`` shaped like ``keys``/``values`` (batch, heads, head
-    dims): what an ``update`` returns where no caller may read the entries (a reader that does fails loudly)."""
-    nan = float("nan")
-    return (keys.new_full((1, 1, 1, 1), nan).expand(*keys.shape[:2], count, keys.shape[-1]),
-            values.new_full((1, 1, 1, 1), nan).expand(*values.shape[:2], count, values.shape[-1]))
-
-
-class PolicyLayer(CacheLayerMixin):
+class PolicyLayer(Counted, CacheLayerMixin):
     """One attention layer's state in a :class:`PolicyCache` (use the cache's methods, not this directly).
 
     Attributes:
@@ -51,25 +39,28 @@ class PolicyLayer(CacheLayerMixin):
         ragged: the ragged part (`RaggedKV`) of a ragged layer, else None.
         window: ``[B, Hq, <= policy.query_window, D]`` the most recent handed-over queries, or None.
         stats: per-entry statistics ``[B, Hkv, S]`` (``policy.stats``), gathered with the entries.
-        seen: tokens appended so far (the logical length). ``observed``: queries handed over so far.
-        prompt_length: tokens of the first ``update`` (None before it). ``evictions``: decisions applied so far.
-        previous_generated: tokens generated before the previous ``update`` (None before the first after the prompt).
+        progress: the counters (`Progress`): ``seen``, ``observed``, ``stored``, ``prompt_length`` (tokens of the
+            first ``update``), ``previous_generated`` (tokens generated before the previous ``update``), ``evictions``
+            (decisions applied), read under their own names (`Counted`).
         signals_until: tokens whose model signals are recorded (signal policies).
+        appends: where the appends go (`AppendBuffers`).
+
+    Args:
+        reserve: slots allocated past the stored entries, so that the next appends write in place; 0: every append
+            copies the stored entries (``torch.cat``).
     """
 
     is_compileable = False
     is_croppable = False  # an eviction cannot be rolled back
-    reserve = 0
-    """Slots allocated past the stored entries, so that the next appends write in place; 0: every append copies the
-    stored entries (``torch.cat``)."""
 
     def __init__(self, policy: CachePolicy, layer_idx: int, owner: str = "PolicyCache",
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, *, reserve: int = 0) -> None:
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
         self.owner = owner
         self.num_layers = num_layers
+        self.appends = AppendBuffers(reserve)
         self._clear()
 
     def _clear(self) -> None:
@@ -81,17 +72,11 @@ class PolicyLayer(CacheLayerMixin):
         self._kept: torch.Tensor | None = None
         self._evicted_at = 0
         self.ragged: RaggedKV | None = None
-        self._longest = 0  # entries of the longest head of the ragged part (kept on the host: no sync per step)
         self.window: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        self._spare: dict[str, torch.Tensor] = {}  # keys/values with `reserve` free slots (`_append`)
-        self._lent: set[str] = set()  # the names whose spare buffer another object lent (`lend`)
+        self.appends.clear()
         self._pending: list[tuple[torch.Tensor, int]] = []
-        self.seen = 0
-        self.observed = 0
-        self.prompt_length: int | None = None
-        self.previous_generated: int | None = None
-        self.evictions = 0
+        self.progress = Progress()  # a new one: a static phase may hold the previous one (`StaticPhase`)
         self.signals_until = 0
         self.padding: torch.Tensor | None = None  # [B] int64 left-padding tokens of each row's prompt, or None
         self.sliding_window: int | None = None  # a sliding-window layer keeps its last window - 1 tokens, no policy
@@ -102,24 +87,11 @@ class PolicyLayer(CacheLayerMixin):
         """Whether the layer attends a sliding window (`PolicyCache.observe_sliding`): HF sizes its masks by it."""
         return self.sliding_window is not None
 
-    @property
-    def stored(self) -> int:
-        """Entries held per KV head (a ragged layer: its longest head)."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.shape[-2] + self._longest
-
-    @property
-    def generated(self) -> int:
-        """Tokens appended after the prompt (the first ``update``)."""
-        return 0 if self.prompt_length is None else self.seen - self.prompt_length
-
     def head_lengths(self) -> torch.Tensor:
         """int64 ``[B, Hkv]`` entries held by every (batch row, KV head)."""
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx} of the {self.owner} holds nothing yet")
-        tail = torch.full(self.keys.shape[:2], self.keys.shape[-2], dtype=torch.long, device=self.keys.device)
-        return tail if self.ragged is None else tail + self.ragged.counts
+        return head_lengths(self.keys, self.ragged)
 
     def positions(self) -> torch.Tensor:
         """``[B, Hkv, S]`` int64 logical position of every rectangular entry, ascending along ``S``."""
@@ -172,7 +144,7 @@ class PolicyLayer(CacheLayerMixin):
             self.window = torch.cat(parts, dim=2)  # a copy: never a view of a whole prompt's queries
         if self.policy.accumulates:
             self._pending.append((query_states, self.observed))
-        self.observed += query_states.shape[-2]
+        self.progress.observe(query_states.shape[-2])
         self.settle()
 
     def record_signal(self, signal: torch.Tensor) -> None:
@@ -194,7 +166,7 @@ class PolicyLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide if due (``policy.before_append``), append, settle; returns what the attention reads:
-        ``(keys, values)`` ``[B, Hkv, S, D]`` (a ragged layer: a NaN placeholder, see the module docstring)."""
+        ``(keys, values)`` ``[B, Hkv, S, D]`` (a ragged layer: a NaN placeholder, `flexentropy.caches.layout`)."""
         q_len = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -220,50 +192,19 @@ class PolicyLayer(CacheLayerMixin):
             target = policy.before_append(self, q_len)
             if target is not None:
                 self.decide(target, q_len)
-        self.previous_generated = self.generated if self.prompt_length is not None else None
-        if self.prompt_length is None:
-            self.prompt_length = q_len
-        prompt = self.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
-        self.keys = self._append("keys", self.keys, key_states)
-        self.values = self._append("values", self.values, value_states)
+        prompt = self.appends.reserve > 0 and self.seen == 0     # its attention reads its own (contiguous) keys
+        self.keys = self.appends.append("keys", self.keys, key_states)
+        self.values = self.appends.append("values", self.values, value_states)
         for name, fill in policy.stats.items():
             new = self.stats[name].new_full((*key_states.shape[:2], q_len), fill)
             self.stats[name] = torch.cat([self.stats[name], new], dim=-1)
-        self.seen += q_len
+        progress = self.progress
+        progress.append(q_len)
+        if progress.prompt_length is None:
+            progress.prompt_length = q_len
         result = (key_states, value_states) if prompt else self._readable()
         self.settle()
         return result
-
-    def lend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold the next appends in ``keys [B, Hkv, C, D]`` and ``values [B, Hkv, C, Dv]``, buffers another object
-        owns (a `StaticLatentKVCache`'s prompt buffers), instead of buffers of the layer's own: with a `reserve`, an
-        append that fits them writes the entries to their front (design.md §2: a prompt's KV held once). An append
-        that does not fit, or a layer without a reserve, allocates as before."""
-        self._spare = {"keys": keys, "values": values}
-        self._lent = {"keys", "values"}
-
-    def _append(self, name: str, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``cat([stored, new], dim=-2)``. With a `reserve`, the result is the front of a larger buffer, and the next
-        append writes into its free slots in place when ``stored`` is still that front (no eviction in between). A
-        buffer `lend` gave takes the entries wherever they are (copied to its front); a buffer of the layer's own is
-        left for a new one when they are elsewhere (after an eviction: the prompt-sized buffer is freed)."""
-        if not self.reserve:
-            return torch.cat([stored, new], dim=-2)
-        used, total = stored.shape[-2], stored.shape[-2] + new.shape[-2]
-        buffer = self._spare.get(name)
-        fits = (buffer is not None and total <= buffer.shape[-2] and stored.shape[:2] == buffer.shape[:2]
-                and stored.shape[-1] == buffer.shape[-1] and stored.dtype == buffer.dtype
-                and stored.device == buffer.device)
-        front = fits and (used == 0 or (stored.data_ptr() == buffer.data_ptr() and stored.stride() == buffer.stride()))
-        if not fits or not (front or name in self._lent):
-            buffer = stored.new_empty(*stored.shape[:2], total + self.reserve, stored.shape[-1])
-            self._spare[name] = buffer
-            self._lent.discard(name)
-            front = used == 0
-        if not front:
-            buffer[:, :, :used].copy_(stored)
-        buffer[:, :, used:total].copy_(new)
-        return buffer[:, :, :total]
 
     def missing_queries(self) -> None:
         """Raise: the layer stored a forward's keys but was handed none of its queries."""
@@ -304,30 +245,29 @@ class PolicyLayer(CacheLayerMixin):
         if policy.ragged:
             keep = policy.select_ragged(self, target)
             self.ragged = RaggedKV.from_mask(self.keys, self.values, self.positions(), keep)
-            self._longest = self.ragged.longest
             self.keys = self.keys.new_empty(*self.keys.shape[:2], 0, self.keys.shape[-1])
             self.values = self.values.new_empty(*self.values.shape[:2], 0, self.values.shape[-1])
             self.stats = {name: stat[..., :0] for name, stat in self.stats.items()}
             self._kept = None
+            kept = self.ragged.longest   # a host int, read once per decision (none per step)
         else:
             indices = (policy.select(self, target, incoming) if target > 0
                        else torch.zeros(*self.keys.shape[:2], 0, dtype=torch.long, device=self.keys.device))
-            kept = gather_kv(self.keys, self.values, indices, self.positions())
-            self.keys, self.values, self._kept = kept
+            self.keys, self.values, self._kept = gather_kv(self.keys, self.values, indices, self.positions())
             self.stats = {name: stat.gather(-1, indices) for name, stat in self.stats.items()}
+            kept = indices.shape[-1]
         self._evicted_at = self.seen
-        self.evictions += 1
+        self.progress.keep(kept)
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, window: torch.Tensor,
               padding: torch.Tensor | None, progress: Progress) -> None:
         """Hold ``keys [B, Hkv, S, D]``, ``values`` at positions ``kept [B, Hkv, S]`` with the query ``window`` and
-        ``padding``, counted as ``progress`` says, as after a decision at its last token (a static phase hands its
-        entries back for a later turn's forward)."""
+        ``padding``, counted on from a copy of ``progress`` (its ``stored`` is ``S``), as after a decision at its last
+        token (a static phase hands its entries back for a later turn's forward)."""
         self.is_initialized = True
         self.keys, self.values, self._kept, self.window, self.padding, self.stats = keys, values, kept, window, \
             padding, {}
-        self.seen, self.observed, self.prompt_length = progress.seen, progress.observed, progress.prompt_length
-        self.previous_generated, self.evictions = progress.previous_generated, progress.evictions
+        self.progress = replace(progress)
         self._evicted_at = self.seen
 
     def _keep_last(self, count: int) -> None:
@@ -339,6 +279,7 @@ class PolicyLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[..., -count:, :], self.values[..., -count:, :]
         self.stats = {name: stat[..., -count:] for name, stat in self.stats.items()}
         self._evicted_at = self.seen
+        self.progress.stored = count
 
     def _readable(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ragged is None:
@@ -347,28 +288,11 @@ class PolicyLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:
-        """Attention of the ``L`` newest tokens (whose keys are stored last) over what the layer holds.
-
-        Args:
-            query: ``[B, Hq, L, D]`` post-RoPE.
-            attention_mask: optional bool ``[B, 1, L, T]`` over *logical* key positions ``0 .. T-1`` (True: attend),
-                e.g. a padding mask; the columns of the kept entries are read at their positions.
-            scale: softmax scale (default ``1 / sqrt(D)``).
-
-        Returns:
-            ``[B, Hq, L, Dv]`` in the query's dtype.
-        """
-        if self.ragged is None:
-            if attention_mask is None:
-                return decode_attention(query, self.keys, self.values, scale=scale)
-            return grouped_attention(query, self.keys, self.values, kept_columns(attention_mask, self.positions()),
-                                     scale)
-        ragged_allowed = tail_allowed = None
-        if attention_mask is not None:
-            ragged_allowed, tail_allowed = self.ragged.allowed(attention_mask, self.positions())
-        return ragged_decode_attention(query, self.ragged.keys, self.ragged.values, self.ragged.counts, self.keys,
-                                       self.values, ragged_allowed=ragged_allowed, tail_allowed=tail_allowed,
-                                       scale=scale)
+        """Attention of the ``L`` newest tokens, ``query [B, Hq, L, D]``, over what the layer holds, under an optional
+        bool ``attention_mask [B, 1, L, T]`` over logical key positions -> ``[B, Hq, L, Dv]``
+        (`flexentropy.caches.layout.attend_entries`)."""
+        positions = None if attention_mask is None else self.positions()
+        return attend_entries(query, self.keys, self.values, self.ragged, attention_mask, positions, scale)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for HF masks: what the next ``update`` returns, after any due decision.
@@ -389,6 +313,8 @@ class PolicyLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
+        """-1: no maximum (transformers' ``CacheLayerMixin`` declares it abstract, and ``Cache.get_max_length``
+        reads it)."""
         return -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -401,7 +327,7 @@ class PolicyLayer(CacheLayerMixin):
         self._pending = [(q.index_select(0, beam_idx.to(q.device)), first) for q, first in self._pending]
         if self.ragged is not None:
             self.ragged = self.ragged.select_rows(beam_idx)
-            self._longest = self.ragged.longest
+            self.progress.stored = self.keys.shape[-2] + self.ragged.longest
 
     def reset(self) -> None:
         """Drop everything, as before the first forward."""

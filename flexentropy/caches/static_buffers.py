@@ -13,14 +13,12 @@ views a cache policy decides on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from flexentropy.caches.progress import Counted, Progress
 from flexentropy.kv.decode_attention import flash_decode, grouped_attention, split_count
-
-if TYPE_CHECKING:
-    from flexentropy.caches.progress import Progress
 
 SPLITS = 16
 """Most parts `flash_decode` splits one row's entries into (batch 1): flash-attn-4 runs a row on ``Hkv`` blocks of
@@ -97,7 +95,7 @@ class StaticBuffers:
         """Write entries to the front of layers ``layers``, batch rows ``rows`` (a slice, or int64 indices):
         ``keys [l * b, Hkv, S, D]``, ``values``, ``positions [l * b, Hkv, S]`` and ``real`` (None: every entry
         real), stacked along the batch dim as `stacked` gives them; the slots after them are left as they are.
-        Entries already in place (a layer's keys and values that live in these buffers: `PolicyLayer.lend`) are not
+        Entries already in place (a layer's keys and values that live in these buffers: `AppendBuffers.lend`) are not
         copied."""
         stored, count = keys.shape[-2], len(layers)
         if stored >= self.capacity:
@@ -153,7 +151,7 @@ def step_attention(layer: StepLayer, query: torch.Tensor, key: torch.Tensor, val
                    scale: float | None = None) -> torch.Tensor:
     """One layer's whole static step on ``layer``: the step's ``query [B, Hq, 1, D]`` into the window, its ``key``
     and ``value`` ``[B, Hkv, 1, D]`` into the buffers, then its attention -> ``[B, Hq, 1, Dv]``. The counters do not
-    advance (`StepCounters.advance`, after the last layer)."""
+    advance (`StaticPhase.advance`, after the last layer)."""
     observe_step(layer, query)
     write_step(layer, key, value)
     return attend_step(layer, query, scale)
@@ -195,13 +193,13 @@ def attend_step(layer: StepLayer, query: torch.Tensor, scale: float | None) -> t
     return grouped_attention(query, keys, values, valid[:, :, None, :], scale)
 
 
-class StackedView:
+class StackedView(Counted):
     """A `LayerView` of layers ``layers`` of ``stage``, stacked along the batch dim (module docstring).
 
     Args:
         stage: the buffers holding the entries.
         layers: the layers, a range.
-        progress: the counters (``stored`` entries per KV head are live).
+        progress: the counters (``stored`` entries per KV head are live), read under their own names (`Counted`).
         window: the query window of those layers and rows ``[l * b, Hq, W', D]``.
         padding: left-padding tokens of each of those rows ``[b]``, or None.
         owner: the cache's name (messages).
@@ -221,9 +219,6 @@ class StackedView:
         self.padding = None if padding is None else padding.repeat(len(layers))
         self.progress, self.owner = progress, owner
         self.stats: dict[str, torch.Tensor] = {}
-
-    def __getattr__(self, name: str) -> object:   # the counters: seen, observed, stored, generated, ...
-        return getattr(self.__dict__["progress"], name)
 
     def positions(self) -> torch.Tensor:
         return self._positions

@@ -10,15 +10,16 @@ Phases (design.md §2):
    held once) and the phase-1 steps run there, static like phase 2;
 2. from the first decision point on, the buffers (``decode_budget + recompress_every`` entries per KV head).
 
-This class is the transformers-facing facade: the ``Cache`` API, which reads and writes the dynamic layers on the
-dynamic path and the static phase (`StaticPhase`, ``cache.static``: buffers, counters, decisions, rows, the step's
-attention) in a static stage. Who prepares, runs and advances a step is the decode engine's driver
-(`flexentropy.engine.driver`): ``generate``, `flexentropy.greedy_generate` and `flexentropy.generate_batch` run it,
-and on a model switched by `flexentropy.enable` the decoder's hooks call it around the forwards no driver runs; a
-loop over modules without the hooks (`EntropyAttention`) calls its `begin_step` and `end_step` itself. Decisions
-are taken before the step's queries are handed over (transformers' order: ``update`` before the queries), so for an
-attention that hands its queries over before ``update`` (`EntropyAttention`) the window of a decision ends one step
-earlier than with `LatentKVCache`.
+This class is the transformers-facing facade: the ``Cache`` API over its current phase (`CachePhase`), the dynamic
+one (`DynamicPhase`, ``cache.dynamic``: the layers) or the static one (`StaticPhase`, ``cache.static``: buffers,
+batch rows, decisions, the step's attention), each offering the same reads and writes. Who prepares, runs and
+advances a step is the decode engine's driver (`flexentropy.engine.driver`): its prepare step (`prepare`) sets the
+current phase. ``generate``, `flexentropy.greedy_generate` and `flexentropy.generate_batch` run it, and on a model
+switched by `flexentropy.enable` the decoder's hooks call it around the forwards no driver runs; a loop over modules
+without the hooks (`EntropyAttention`) calls its `begin_step` and `end_step` itself. Decisions are taken before the
+step's queries are handed over (transformers' order: ``update`` before the queries), so for an attention that hands
+its queries over before ``update`` (`EntropyAttention`) the window of a decision ends one step earlier than with
+`LatentKVCache`.
 
 A cache serves one conversation at a time, or, `open` for batch rows, one request per row (`insert`, `free`). A
 forward of several tokens after decoding began is the conversation's next turn: the entries go back to the layers
@@ -35,24 +36,12 @@ from typing import Any
 import torch
 
 from flexentropy._checks import check_int
-from flexentropy._compile import eager
+from flexentropy.caches.dynamic_phase import DynamicPhase, PhaseOneLayer
 from flexentropy.caches.latent_kv import LatentKVCache
-from flexentropy.caches.policy_cache import PolicyCache
-from flexentropy.caches.policy_layer import PolicyLayer, nan_entries
+from flexentropy.caches.phase import CachePhase
 from flexentropy.caches.progress import Progress
-from flexentropy.caches.static_buffers import StaticBuffers, attend_step, observe_step, write_step
-from flexentropy.caches.static_phase import StaticPhase
+from flexentropy.caches.static_buffers import StaticBuffers
 from flexentropy.config import EntropyConfig
-from flexentropy.kv.decode_attention import decode_attention, grouped_attention
-
-
-class PhaseOneLayer(PolicyLayer):
-    """A `PolicyLayer` whose first ``decode_delay`` appends after its prompt write in place, into slots reserved past
-    the prompt's entries (a phase-1 step on the dynamic path then copies nothing of the prompt)."""
-
-    def __init__(self, policy: Any, *args: Any) -> None:
-        super().__init__(policy, *args)
-        self.reserve = policy.delay
 
 
 class StaticLatentKVCache(LatentKVCache):
@@ -86,8 +75,10 @@ class StaticLatentKVCache(LatentKVCache):
         max_prompt_length: the longest prompt whose phase 1 runs static (None: phase 1 on the dynamic path).
 
     Attributes:
+        phase: the current phase (`CachePhase`), ``dynamic`` or ``static``.
+        dynamic: the dynamic phase (`DynamicPhase`: the layers).
         static: the static phase (`StaticPhase`: its buffers ``main`` and ``prompt``, the stage in use, the query
-            windows and the step's counters).
+            windows and the batch rows with their counts).
     """
 
     layer_class = PhaseOneLayer
@@ -105,12 +96,21 @@ class StaticLatentKVCache(LatentKVCache):
                              "so that transformers sees a compileable cache)")
         self._layer(self.num_layers - 1)
         self.max_prompt_length = max_prompt_length
-        self.static = StaticPhase(self.config, self.policy, self.layers, type(self).__name__, max_prompt_length)
+        self.dynamic = DynamicPhase(self, max_prompt_length)
+        self.static = self.dynamic.static
+        self.phase: CachePhase = self.dynamic
 
     def reset(self) -> None:
         """Empty the cache for a new request; the buffers stay (their addresses with them)."""
         super().reset()
         self.static.clear()
+        self.phase = self.dynamic
+
+    def prepare(self, tokens: int) -> None:
+        """The host's part of a step before a forward of ``tokens`` tokens: the current phase's `CachePhase.prepare`
+        (the decisions due, entering or leaving the static buffers), whose answer is the phase the forward runs in.
+        The decode engine's driver calls it (`flexentropy.engine.begin_step`)."""
+        self.phase = self.phase.prepare(tokens)
 
     @property
     def is_compileable(self) -> bool:
@@ -134,23 +134,23 @@ class StaticLatentKVCache(LatentKVCache):
     @property
     def stage(self) -> StaticBuffers | None:
         """The buffers the steps use now (``main`` or ``prompt``), None on the dynamic path."""
-        return self.static.stage
+        return self.phase.buffers
 
     @property
     def is_static(self) -> bool:
         """Whether the cache is in its static phase proper (the next one-token step reads ``main``)."""
-        return self.static.stage is self.static.main
+        return self.phase.buffers is self.main
 
     @property
     def evictions(self) -> int:
         """Decisions that evicted so far (the first eviction, then the recompressions)."""
-        return self.progress.evictions if self.static.stage is not None else self.layers[0].evictions
+        return self.phase.evictions
 
     @property
     def progress(self) -> Progress:
-        """The static phase's counters, when every row shares them (one request, or a left-padded batch taken
-        together); rows served one by one (`insert`) have their own."""
-        return self.static.counters.progress
+        """The cache's counts, when every row shares them (one request, or a left-padded batch taken together); rows
+        served one by one (`insert`) have their own."""
+        return self.phase.progress
 
     # -- rows served one by one ----------------------------------------------------------------------------------------
     def open(self, rows: int, source: LatentKVCache) -> None:
@@ -159,6 +159,7 @@ class StaticLatentKVCache(LatentKVCache):
         decode together, each deciding on its own count."""
         self.reset()
         self.static.open(rows, source)
+        self.phase = self.static
 
     def insert(self, row: int, source: LatentKVCache) -> None:
         """Put the request that ``source`` holds (a one-row latent cache after its prompt, evicted to the budget:
@@ -169,13 +170,10 @@ class StaticLatentKVCache(LatentKVCache):
         """Batch row ``row`` of an `open` cache is idle from its next step (its entries are left to be overwritten)."""
         self.static.free(row)
 
-    # -- the Cache API: the static phase where it can be -----------------------------------------------------------
+    # -- the Cache API, on the current phase ---------------------------------------------------------------------------
     def _conversation(self) -> tuple[int, torch.Tensor | None]:
-        """``(tokens, padding)`` of the conversation held (`PolicyCache._conversation`): in a static stage, the
-        counters' and the phase's."""
-        if self.static.stage is None:
-            return super()._conversation()
-        return self.static.counters.seen(), self.static.padding
+        """``(tokens, padding)`` of the conversation held (`PolicyCache._conversation`): the current phase's."""
+        return self.phase.conversation()
 
     def _check_depth(self, num_layers: int, held: int) -> None:
         """Raise ``ValueError`` unless the model has the layer count the cache was built for (its layers and buffers
@@ -191,114 +189,49 @@ class StaticLatentKVCache(LatentKVCache):
                              f"{layer_idx}: pass model= (or num_layers= the model's count of attention layers)")
 
     def observe_queries(self, query_states: torch.Tensor, layer_idx: int) -> None:
-        if self.static.stage is not None:
-            observe_step(self.static.step_layer(layer_idx), query_states)
-        elif torch.compiler.is_compiling():
-            eager(PolicyCache.observe_queries, self, query_states, layer_idx)
-        else:
-            super().observe_queries(query_states, layer_idx)
+        self.phase.observe_queries(query_states, layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.static.stage is not None:
-            layer = self.static.step_layer(layer_idx)
-            write_step(layer, key_states, value_states)
-            return layer.keys, layer.values
         self._check_layer_idx(layer_idx)
-        if torch.compiler.is_compiling():
-            eager(self._update_layer, key_states, value_states, layer_idx)
-            return placeholder(key_states, value_states, self.capacity)
-        return self._update_layer(key_states, value_states, layer_idx)
-
-    def _update_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An update on the dynamic path: the layer checked (`PolicyCache.update`'s checks), lent the prompt buffers
-        where its entries fit there (`StaticPhase.lend_prompt`: a prompt's KV held once), then updated."""
-        layer = self._checked_layer(key_states, value_states, layer_idx)
-        self.static.lend_prompt(layer, key_states, value_states)
-        return layer.update(key_states, value_states)
+        return self.phase.update(key_states, value_states, layer_idx)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:
-        """Decode attention of layer ``layer_idx``'s newest token over what it holds; ``attention_mask`` is not read
+        """Decode attention of layer ``layer_idx``'s newest tokens over what it holds; ``attention_mask`` is not read
         (padding comes from ``observe_padding``)."""
-        if self.static.stage is not None:
-            return attend_step(self.static.step_layer(layer_idx), query, scale)
-        layer = self.layers[layer_idx]
-        if torch.compiler.is_compiling():
-            return eager(layer_attention, layer, query, scale)
-        return layer_attention(layer, query, scale)
+        return self.phase.attend(query, layer_idx, scale)
 
     def stored_entries(self, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[B, Hkv, S, D]`` layer ``layer_idx`` holds now (views of the buffers when static)."""
-        if self.static.stage is None:
-            layer = self.layers[layer_idx]
-            return layer.keys, layer.values
-        return self.static.entries(layer_idx)
+        return self.phase.entries(layer_idx)
 
     def stored_length(self, layer_idx: int = 0) -> int:
         """Entries held per KV head; under compilation a constant (0 before the prompt, else ``C``), so that a
         compiled step never depends on the count."""
         self._check_layer_idx(layer_idx)
-        held = self.static.stage is not None or self.layers[layer_idx].is_initialized
-        if torch.compiler.is_compiling():
-            return self.capacity if held else 0
-        if self.static.stage is None:
-            return super().stored_length(layer_idx)
-        return self.static.counters.stored()
+        return self.phase.stored_length(layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Logical length (the next token's position); under compilation in a static stage the 0-dim tensor of the
         counters (as transformers' ``StaticCache``), so that the compiled step does not depend on it."""
-        if self.static.stage is None:
-            return self.layers[layer_idx].get_seq_length()
-        if torch.compiler.is_compiling():
-            return self.static.counters.device["position"][0]
-        return self.static.counters.seen()
+        return self.phase.seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """A prompt: its own size; any later forward ``(C, 0)``, a constant (the steps ignore HF's mask): one mask
         shape for every decode graph."""
-        layer = self.layers[layer_idx]
-        if self.static.stage is None and layer.prompt_length is None:
-            return layer.get_mask_sizes(query_length)
-        return self.capacity, 0
+        return self.phase.mask_sizes(query_length, layer_idx)
 
     def head_lengths(self, layer_idx: int = 0) -> torch.Tensor:
-        if self.static.stage is None:
-            return super().head_lengths(layer_idx)
-        keys = self.static.stage.keys[layer_idx]
-        return torch.full(keys.shape[:2], self.stored_length(layer_idx), dtype=torch.long, device=keys.device)
+        return self.phase.head_lengths(layer_idx)
 
     def kept_positions(self, layer_idx: int = 0) -> torch.Tensor:
-        if self.static.stage is None:
-            return super().kept_positions(layer_idx)
-        return self.static.kept_positions(layer_idx)
+        return self.phase.kept_positions(layer_idx)
 
     def nbytes(self, layer_idx: int | None = None) -> int:
         """Bytes held: on the dynamic path the layers' (`PolicyCache.nbytes`); in a static stage the buffers' whole
         capacity, prompt buffers and query windows included (a layer's share for ``layer_idx``)."""
-        if self.static.stage is None:
-            return super().nbytes(layer_idx)
-        total = self.static.nbytes()
-        return total if layer_idx is None else total // len(self.layers)
+        return self.phase.nbytes(layer_idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support beam search; use LatentKVCache")
-
-
-def layer_attention(layer: PolicyLayer, query: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """A step's attention on the dynamic path (a phase-1 step, or a later turn's tokens, causal among themselves)
-    over the layer's entries, under its own padding mask (HF's logical mask is not read)."""
-    real = layer.real_entries()
-    if real is None:
-        return decode_attention(query, layer.keys, layer.values, scale=scale)
-    entries = torch.arange(layer.keys.shape[-2], device=query.device)
-    causal = entries <= entries[entries.shape[0] - query.shape[-2]:, None]    # [L, S]
-    return grouped_attention(query, layer.keys, layer.values, real[:, :, None, :] & causal, scale)
-
-
-def placeholder(keys: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-memory NaN keys and values ``[B, Hkv, count, D]`` returned by a dynamic-path step under compilation
-    (fixed shapes; the attention reads the cache through `StaticLatentKVCache.attend`)."""
-    return nan_entries(keys, values, count)

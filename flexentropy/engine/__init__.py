@@ -4,8 +4,7 @@
   whole step: prepared, run, recorded and replayed, advanced), `step_driver` (each model's drivers, in one table)
   and `observe_steps` (an observer around every step of a model's drivers);
 - :mod:`.compiled_layer`: the static step's decoder layers, all in one compiled function;
-- :mod:`.loops`: `greedy_generate`, the plain loop of a transformers model (and the deprecated `greedy_decode`,
-  `compile_step`);
+- :mod:`.loops`: `greedy_generate`, the plain loop of a transformers model;
 - :mod:`.batch`: `generate_batch`, the batch scheduler;
 - :mod:`.warm_up`: `warm_up`, what a server runs compiled and recorded before its first request.
 """

@@ -51,7 +51,8 @@ def layer_region(compile_options: dict[str, Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def compiled_layers(model: nn.Module, region: Callable[..., Any], cache: Any) -> Iterator[None]:
     """Inside, each decoder layer of ``model`` runs ``region`` (`layer_region`) on the static stage of ``cache`` (a
-    `StaticLatentKVCache`), handed its `StepLayer` (module docstring); on exit the layers are as they were."""
+    `StaticLatentKVCache` whose current phase is its static one), handed its `StepLayer` (module docstring); on exit
+    the layers are as they were."""
     layers = decoder_layers(model)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (model.model.layers)")
@@ -71,4 +72,4 @@ def compiled_layers(model: nn.Module, region: Callable[..., Any], cache: Any) ->
 def _layer_step(layer: nn.Module, region: Callable[..., Any], cache: Any, /, *args: Any, **kwargs: Any) -> Any:
     for name in (*CACHE_KEYWORDS, CACHE_KWARG, DRIVER_KWARG):
         kwargs.pop(name, None)
-    return region(layer, *args, **kwargs, **{STEP_KWARG: cache.static.step_layer(layer.self_attn.layer_idx)})
+    return region(layer, *args, **kwargs, **{STEP_KWARG: cache.phase.step_layer(layer.self_attn.layer_idx)})

@@ -2,8 +2,9 @@
 `end_step` (the device's counters one token on, the host's count), and `StepDriver`, which runs a whole step
 between them; and `step_driver`, each model's drivers, in one table.
 
-A step's order is fixed here: the static phase's ``prepare`` (entering or leaving the static phase, the decisions
-due), then the forward, then ``advance`` (device) and ``count`` (host). Nothing else calls those three: ``generate``
+A step's order is fixed here: the cache's ``prepare`` (the current phase's: entering or leaving the static phase, the
+decisions due; it sets the phase the step runs in), then the forward, then the phase's ``advance`` (device) and
+``count`` (host). Nothing else calls those three: ``generate``
 and the engine's loops run a `StepDriver`; a forward that no driver runs (an eager ``generate``, a model the user
 compiled, a hand loop) gets `begin_step` and `end_step` from the decoder's hooks that `flexentropy.enable` installs
 (`flexentropy.integrations.hooks`), and a loop over modules without them (`EntropyAttention`) calls both itself. A
@@ -44,20 +45,22 @@ it (`observe_steps`)."""
 
 
 def begin_step(cache: Any, tokens: int) -> None:
-    """The host's part before a forward of ``tokens`` tokens over ``cache``: a `StaticLatentKVCache` enters or leaves
-    its static phase and takes the decisions due (`StaticPhase.prepare`); other caches need nothing. A second call
-    before `end_step` finds nothing left to do."""
+    """The host's part before a forward of ``tokens`` tokens over ``cache``: a `StaticLatentKVCache` takes the
+    decisions due, enters or leaves its static phase and makes the phase the forward runs in its current one
+    (`StaticLatentKVCache.prepare`); other caches need nothing. A second call before `end_step` finds nothing left
+    to do."""
     if isinstance(cache, StaticLatentKVCache):
-        cache.static.prepare(tokens)
+        cache.prepare(tokens)
 
 
 def end_step(cache: Any, tokens: int) -> None:
     """After the forward of a step begun by `begin_step` whose layers ran over the cache (not a driver's compiled or
-    recorded step, which advances inside its own graph): a static step's device counters one token on, and the
-    host's count of it."""
-    if isinstance(cache, StaticLatentKVCache) and cache.static.stage is not None:
-        cache.static.advance()
-        cache.static.count(tokens)
+    recorded step, which advances inside its own graph): the current phase's device counters one token on, and the
+    host's count of it (`CachePhase.advance`, `CachePhase.count`: the static phase's; the dynamic phase's layers
+    counted their own)."""
+    if isinstance(cache, StaticLatentKVCache):
+        cache.phase.advance()
+        cache.phase.count(tokens)
 
 
 @dataclass
@@ -114,20 +117,20 @@ class StepDriver:
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
         model, length = self.model(), tokens.shape[1]
         begin_step(cache, length)
-        stage = cache.static.stage if isinstance(cache, StaticLatentKVCache) else None
-        if stage is None or self.region is None:
+        phase = cache.phase if isinstance(cache, StaticLatentKVCache) else None
+        if phase is None or phase.buffers is None or self.region is None:   # not a static stage, or not compiled
             output = self.forward(model, tokens, positions, cache)
             end_step(cache, length)
             return output
         if self.capture:
-            recording = self._recording(model, cache, stage, tokens, positions)
+            recording = self._recording(model, cache, phase, tokens, positions)
             recording.tokens.copy_(tokens)
             recording.positions.copy_(positions)
             recording.graph.replay()
             output = recording.output
         else:
             output = self._static_step(model, tokens, positions, cache)
-        cache.static.count(length)
+        phase.count(length)
         return output
 
     def _static_step(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
@@ -137,27 +140,29 @@ class StepDriver:
         on."""
         with no_silent_fallback(), compiled_layers(model, self.region, cache):
             output = self.forward(model, tokens, positions, cache)
-        cache.static.advance()
+        cache.phase.advance()
         return output
 
-    def _recording(self, model: nn.Module, cache: Any, stage: Any, tokens: torch.Tensor,
+    def _recording(self, model: nn.Module, cache: Any, phase: Any, tokens: torch.Tensor,
                    positions: torch.Tensor) -> Recording:
+        """The recording of the step in ``phase`` (the cache's static phase) for its stage and this batch: made the
+        first time (the step run twice, then recorded, each time undone: `StaticPhase.snapshot`)."""
         recordings = self.recordings.setdefault(cache, {})
-        key = (id(stage), stage.version, tuple(tokens.shape))
+        key = (id(phase.buffers), phase.buffers.version, tuple(tokens.shape))
         if key not in recordings:
-            saved = cache.static.snapshot()
+            saved = phase.snapshot()
             inputs = tokens.clone(), positions.clone()
             side = torch.cuda.Stream(tokens.device)
             side.wait_stream(torch.cuda.current_stream(tokens.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._static_step(model, *inputs, cache)
-                    cache.static.restore(saved)
+                    phase.restore(saved)
             torch.cuda.current_stream(tokens.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 output = self._static_step(model, *inputs, cache)
-            cache.static.restore(saved)
+            phase.restore(saved)
             self.pool = graph.pool()
             recordings[key] = Recording(graph, *inputs, output)
         return recordings[key]

@@ -1,68 +1,18 @@
-"""The engine's decoding loops over a `StaticLatentKVCache`, each on the model's step driver
-(`flexentropy.engine.driver`), as ``generate``: `greedy_generate`, the plain loop of an HF causal LM; and the
-deprecated `greedy_decode` and `compile_step` (a model of `EntropyAttention` layers decodes in its own loop, with the
-driver's `begin_step` and `end_step` around each forward). transformers is imported inside the functions.
+"""The engine's decoding loop over a `StaticLatentKVCache` on the model's step driver (`flexentropy.engine.driver`),
+as ``generate``: `greedy_generate`, the plain loop of an HF causal LM (a model of `EntropyAttention` layers decodes in
+its own loop, with the driver's `begin_step` and `end_step` around each forward). transformers is imported inside
+the functions.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from flexentropy._checks import check_int, check_tokens
-from flexentropy.engine.driver import begin_step, end_step, step_driver
+from flexentropy.engine.driver import step_driver
 from flexentropy.settings import model_settings
-
-DecodeStep = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
-"""``(tokens [B, L] int64, cache, position_ids [B, L] int64) -> logits [B, L, V]``: one forward of a model."""
-
-
-def compile_step(step: DecodeStep, *, device: torch.device | str | None = None, **options: Any) -> DecodeStep:
-    """Deprecated (a second CUDA-graph mechanism beside the step driver's; `greedy_generate` records its steps
-    itself): ``step`` compiled for fixed-shape decoding, ``mode="reduce-overhead"`` on CUDA, the default mode
-    elsewhere, ``dynamic=False``; ``options`` override these."""
-    warnings.warn("fe.compile_step is deprecated and will be removed: the step driver records a transformers model's "
-                  "decode steps itself (fe.greedy_generate, generate); compile your own step with torch.compile",
-                  DeprecationWarning, stacklevel=2)
-    cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-    settings = {"mode": "reduce-overhead" if cuda else None, "dynamic": False, **options}
-    return torch.compile(step, **settings)
-
-
-def greedy_decode(step: DecodeStep, cache: Any, tokens: torch.Tensor, position: int, steps: int, *,
-                  compiled: DecodeStep | None = None) -> torch.Tensor:
-    """Deprecated (use `greedy_generate` for a transformers model; any other model decodes in its own loop with
-    `begin_step` and `end_step` around each forward, as this one does): greedy decoding after a prompt, ``steps``
-    tokens; returns them, int64 ``[B, steps]``.
-
-    Args:
-        step: the model's forward (`DecodeStep`), eager.
-        cache: the cache the prompt was run with.
-        tokens: int64 ``[B, 1]`` the first token to feed (the prompt's greedy next token).
-        position: that token's position (the prompt length).
-        steps: tokens to generate (the first fed token is not counted).
-        compiled: run in a `StaticLatentKVCache`'s static stage instead of ``step`` (None: every step eager).
-    """
-    warnings.warn("fe.greedy_decode is deprecated and will be removed: use fe.greedy_generate for a transformers "
-                  "model; any other model decodes in its own loop, with flexentropy.engine.begin_step(cache, 1) "
-                  "before each forward and end_step(cache, 1) after it", DeprecationWarning, stacklevel=2)
-    check_int("greedy_decode", "steps", steps, 1)
-    if tokens.dim() != 2 or tokens.shape[1] != 1:
-        raise ValueError(f"greedy_decode expects tokens [B, 1], got {list(tokens.shape)}")
-    positions = torch.full_like(tokens, position)
-    out = []
-    for _ in range(steps):
-        begin_step(cache, 1)
-        static = getattr(getattr(cache, "static", None), "stage", None) is not None
-        run = compiled if compiled is not None and static else step
-        tokens = run(tokens, cache, positions)[:, -1:].argmax(dim=-1)
-        end_step(cache, 1)
-        out.append(tokens)
-        positions = positions + 1
-    return torch.cat(out, dim=1)
 
 
 def decode_settings(model: Any, device: torch.device, compile_config: Any, compiled: bool | None

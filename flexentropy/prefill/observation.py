@@ -7,7 +7,7 @@ from einops import rearrange
 
 from flexentropy._checks import check_qk, is_int
 from flexentropy.config import MASS_OBSERVATIONS, OBSERVATIONS, Q_BLOCK_SIZE
-from flexentropy.prefill.estimate import pooled_block_mass, probe_block_mass
+from flexentropy.prefill.probe_mass import pooled_block_mass, probe_block_mass
 from flexentropy.prefill.representatives import chunk_extrema
 
 
@@ -50,11 +50,11 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
     Every softmax runs over the candidate blocks of the segment (`candidate_blocks`), in float32.
 
     * ``"probe"`` (not in the paper; design.md §1.2b): the true attention of ``probes`` strided queries of the
-      segment (`flexentropy.prefill.estimate.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
+      segment (`flexentropy.prefill.probe_mass.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
       candidate block averaged over the probes. A row is *not* a distribution over the candidates: it sums to the
       probes' mass outside their own segment, the rest being on the segment's own (always computed) keys.
     * ``"pooled"`` (not in the paper; design.md §1.2c): the same probes, each block scored by its mean key
-      (`flexentropy.prefill.estimate.pooled_block_mass`): ``L_B`` times cheaper than ``"probe"``, an estimate of it.
+      (`flexentropy.prefill.probe_mass.pooled_block_mass`): ``L_B`` times cheaper than ``"probe"``, an estimate of it.
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0``.

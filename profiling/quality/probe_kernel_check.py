@@ -21,7 +21,7 @@ from unittest.mock import patch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from flexentropy.prefill import estimate  # noqa: E402
+from flexentropy.prefill import probe_mass  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 BLOCK, PROBES = 128, 16
@@ -37,9 +37,9 @@ for n, segment, dtype, outputs in CASES:
     gen = torch.Generator(device=DEVICE).manual_seed(n + segment)
     q = torch.randn(1, 8, n, 128, device=DEVICE, generator=gen).to(dtype)
     k = torch.randn(1, 2, n, 128, device=DEVICE, generator=gen).to(dtype)
-    with patch.object(estimate, "PROBE_KERNEL_OUTPUTS", outputs or estimate.PROBE_KERNEL_OUTPUTS):
-        fast = estimate.probe_block_mass(q, k, segment, BLOCK, PROBES, kernel=True)
-    slow = estimate.probe_block_mass(q, k, segment, BLOCK, PROBES, kernel=False, compiled=DEVICE == "cuda")
+    with patch.object(probe_mass, "PROBE_KERNEL_OUTPUTS", outputs or probe_mass.PROBE_KERNEL_OUTPUTS):
+        fast = probe_mass.probe_block_mass(q, k, segment, BLOCK, PROBES, kernel=True)
+    slow = probe_mass.probe_block_mass(q, k, segment, BLOCK, PROBES, kernel=False, compiled=DEVICE == "cuda")
     diff = float((fast - slow).abs().max())
     sums = fast.sum(-1)
     low, high = float(sums.min()), float(sums.max())

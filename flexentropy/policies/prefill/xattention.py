@@ -12,7 +12,7 @@ from einops import rearrange
 from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.estimate import compute_dtype
+from flexentropy.prefill.peer_estimates import compute_dtype
 from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 

@@ -1,11 +1,11 @@
-"""`StepCounters`: every counter of a static phase in one place, the host's and the device's.
+"""`BatchRows`: the batch rows of a static phase, each counted by a `Progress`, and the device's copy of their counts.
 
 The host counts each group of batch rows that progress together with one `Progress` (one request, or a left-padded
 batch taken together: one group; rows served one by one, `StaticPhase.insert`: a group per request, idle rows
-sharing one). The device holds what a step reads and advances inside its own graph, per batch row: the ``slot`` its
+sharing one). The device holds what a step reads and moves on inside its own graph, per batch row: the ``slot`` its
 token is written to, the entries it reads (``lengths``) and the token's ``position``. `mirror` writes a group's host
-count to its rows on the device, `advance` moves every row one token on (device work only, so a recorded step
-replays it), `count` moves the host's counts the same token on after the step.
+count to its rows on the device; the static phase moves them one token on inside the step (`StaticPhase.advance`, so
+that a recorded step replays it) and its groups' counts after the step (`StaticPhase.count`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ DEVICE_COUNTERS = (("slot", torch.long), ("lengths", torch.int32), ("position", 
 """The device counters per batch row, with their dtypes."""
 
 
-class StepCounters:
-    """The host's and the device's counters of a static phase (module docstring).
+class BatchRows:
+    """The batch rows of a static phase: the `Progress` of each, and the device's copy of their counts (module
+    docstring).
 
     Attributes:
         device: ``{"slot", "lengths", "position"}`` -> ``[B]`` tensors at addresses a recorded step keeps.
@@ -83,15 +84,6 @@ class StepCounters:
                 counter[rows].fill_(value)
             else:
                 counter.index_fill_(0, rows, value)
-
-    def advance(self) -> None:
-        """The device's end of a static step: every row one token on (inside the step's graph)."""
-        torch._foreach_add_(list(self.device.values()), 1)
-
-    def count(self, tokens: int) -> None:
-        """The host's end of a static step of ``tokens`` tokens: every group counts it."""
-        for progress, _ in self.groups:
-            progress.advance(tokens)
 
     def stored(self) -> int:
         """Entries held per KV head by the fullest row."""

@@ -5,7 +5,10 @@ caches laid out as vLLM's backends lay them out. The plugin inside a real vLLM e
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from flexentropy.integrations.vllm.paged import (
 )
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
+from flexentropy.settings import parse_settings
 
 # --------------------------------------------------------------------------------------------------------------
 # configuration
@@ -39,6 +43,7 @@ def test_config_defaults_and_fields() -> None:
     ({"dense_prefx": 1}, ValueError, "unknown field(s) ['dense_prefx']"),
     ({"decode_budget": 512}, ValueError, "KV-cache eviction"),
     ({"prefill": "flexprefill"}, ValueError, "prefill='flexprefill' is not supported"),
+    ({"prefill_knobs": {"window": 128}}, ValueError, "'prefill_knobs' is not supported"),
     ({"block_size": 96}, ValueError, "additional_config['flexentropy']: EntropyConfig.block_size must be 64 or 128"),
     ({"coverage": "high"}, TypeError, "coverage"),
     ([1, 2], TypeError, "must be a mapping of EntropyConfig fields"),
@@ -47,6 +52,28 @@ def test_config_errors_say_what_to_write(entry: object, error: type[Exception], 
     with pytest.raises(error) as caught:
         plugin_config({CONFIG_KEY: entry})
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dense_prefix": 8192, "coverage": [0.9, 0.7], "dense_layers": [0, 1]},
+    MappingProxyType({"segment_size": 512, "block_size": 64, "prefill": "entropy"}),
+])
+def test_one_reader_for_the_record_and_the_plugin(entry: Mapping[str, object]) -> None:
+    """A model config's record (`parse_settings`) and vLLM's ``additional_config`` entry are read by one reader: the
+    same plain values (any mapping; JSON's lists as tuples) give the same `EntropyConfig`."""
+    config = parse_settings(entry).config
+    assert plugin_config({CONFIG_KEY: entry}) == config
+    assert config == EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()
+                                      if k != "prefill"})
+
+
+def test_the_reader_names_where_a_refused_value_came_from() -> None:
+    for read, where in ((parse_settings, "config.flexentropy"),
+                        (lambda entry: plugin_config({CONFIG_KEY: entry}), "additional_config['flexentropy']")):
+        with pytest.raises(ValueError, match=re.escape(f"{where}: EntropyConfig.block_size must be 64 or 128")):
+            read({"block_size": 96})
+        with pytest.raises(ValueError, match=re.escape(f"{where}['prefill'] must be one of")):
+            read({"prefill": "sparse"})
 
 
 def test_layer_checks() -> None:

@@ -31,9 +31,12 @@ from flexentropy.settings import parse_settings
 # configuration
 
 
-def test_config_defaults_and_fields() -> None:
-    assert plugin_config({}) == EntropyConfig()
-    assert plugin_config(None) == EntropyConfig()
+def test_config_off_without_the_entry_defaults_with_an_empty_one() -> None:
+    """The plugin runs only where ``additional_config`` has a ``"flexentropy"`` entry; ``{}`` there: the defaults."""
+    assert plugin_config({}) is None
+    assert plugin_config(None) is None
+    assert plugin_config({"other_plugin": {"x": 1}, CONFIG_KEY: None}) is None
+    assert plugin_config({CONFIG_KEY: {}}) == EntropyConfig()
     config = plugin_config({CONFIG_KEY: {"dense_prefix": 8192, "coverage": [0.9, 0.7], "dense_layers": [0, 1],
                                          "prefill": "entropy"}})
     assert config == EntropyConfig(dense_prefix=8192, coverage=(0.9, 0.7), dense_layers=(0, 1))
@@ -85,7 +88,7 @@ def test_layer_checks() -> None:
                          ({"logits_soft_cap": 30.0}, "soft-cap of 30.0"), ({"sinks": torch.zeros(2)}, "sinks"),
                          ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
                          ({"attn_type": "encoder_only"}, "encoder_only attention")):
-        with pytest.raises(ValueError, match="VLLM_PLUGINS") as caught:
+        with pytest.raises(ValueError, match="leave the 'flexentropy' entry out") as caught:
             check_layer(**{**plain, **change})
         assert says in str(caught.value)
 

@@ -1,10 +1,12 @@
 """The attention backends the plugin registers: each is vLLM's own backend of that name, subclassed (docs/design.md
-§7).
+§7), for the engines that chose flexentropy.
 
-``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are made on first access from the class
-vLLM ships under that name (the enum's default path, never an override), so this module imports only what the
-running platform uses. Each keeps its parent's name, KV-cache layout, supported shapes and CUDA-graph support (at
-most uniform batches) and changes two things:
+``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are resolved on each access, which vLLM
+makes when it builds a model under that engine's configuration (`resolve`): vLLM's own class (the enum's default
+path, never an override) unless the configuration's ``additional_config`` has a ``"flexentropy"`` entry, else a
+subclass of it made once, so this module imports only what the running platform uses. Each subclass keeps its
+parent's name, KV-cache layout, supported shapes and CUDA-graph support (at most uniform batches) and changes two
+things:
 
 - its metadata builder (`SparsePrefillBuilder`) routes each step on the host (`routing.route`): a step without a
   long prompt chunk gets the parent's metadata exactly as the parent builds it (a step of decode rows only goes to
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.config import get_current_vllm_config, get_current_vllm_config_or_none
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+from flexentropy.config import EntropyConfig
 from flexentropy.integrations.vllm.paged import (
     PageLayout,
     flash_pages,
@@ -38,7 +41,7 @@ from flexentropy.integrations.vllm.paged import (
 )
 from flexentropy.integrations.vllm.plugin import EXTENDED_BACKENDS
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
-from flexentropy.integrations.vllm.settings import check_layer, plugin_config
+from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
 from flexentropy.prefill.selection import select_blocks
 from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
@@ -82,7 +85,7 @@ class SparsePrefillBuilder:
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device,
                  *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
-        self.flexentropy = plugin_config(vllm_config.additional_config)
+        self.flexentropy = chosen_config(vllm_config)
         self.decode_query_len = decode_query_len(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False,
@@ -144,10 +147,8 @@ class SparsePrefillImpl:
         arguments = call_arguments(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_layer(**{name: arguments.get(name, default) for name, default in LAYER_ARGUMENTS.items()})
-        self.flexentropy = plugin_config(get_current_vllm_config().additional_config)
+        self.flexentropy = chosen_config(get_current_vllm_config())
         self.page_layout: PageLayout | None = None
-        notice_once("sparse prefill on vLLM's %s backend: prompt chunks whose keys reach past dense_prefix=%d tokens "
-                    "run sparse (%s)", self.backend_name, self.flexentropy.dense_prefix, self.flexentropy)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any,
@@ -195,6 +196,7 @@ class SparsePrefillImpl:
                 gather_indexed(kv_cache, layout.values, page_table, length))
 
 
+@functools.cache
 def sparse_backend(name: str) -> type:
     """vLLM's backend ``name`` (one of `EXTENDED_BACKENDS`) with `SparsePrefillBuilder` and `SparsePrefillImpl`."""
     parent = resolve_obj_by_qualname(AttentionBackendEnum[name].value)
@@ -207,8 +209,33 @@ def sparse_backend(name: str) -> type:
         "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
 
 
-@functools.cache
+def resolve(name: str, additional_config: object) -> type:
+    """The class of backend ``name`` for an engine whose ``additional_config`` is this: vLLM's own without a
+    ``"flexentropy"`` entry, else flexentropy's subclass (the entry validated here, at start-up); logs, once per
+    process and outcome, whether flexentropy is on and with what."""
+    config = plugin_config(additional_config)
+    if config is None:
+        notice_once("off (no %r entry in vLLM's additional_config): vLLM's %s backend runs as without the plugin; "
+                    "--additional-config '{\"%s\": {}}' turns it on", CONFIG_KEY, name, CONFIG_KEY)
+        return resolve_obj_by_qualname(AttentionBackendEnum[name].value)
+    notice_once("on: vLLM's %s backend runs the prompt chunks whose keys reach past dense_prefix=%d tokens sparse "
+                "(%s)", name, config.dense_prefix, config)
+    return sparse_backend(name)
+
+
+def chosen_config(vllm_config: Any) -> EntropyConfig:
+    """The plugin's configuration of an engine that runs its backend (`plugin_config`)."""
+    config = plugin_config(vllm_config.additional_config)
+    if config is None:
+        raise RuntimeError(f"flexentropy's backend was built for an engine without a {CONFIG_KEY!r} entry in its "
+                           "additional_config: vLLM resolved it for an earlier engine of this process that chose "
+                           "flexentropy (it keeps one backend class per layer shape and process); start this engine "
+                           "in a process of its own")
+    return config
+
+
 def __getattr__(name: str) -> type:
     if name in EXTENDED_BACKENDS:
-        return sparse_backend(name)
+        vllm_config = get_current_vllm_config_or_none()
+        return resolve(name, None if vllm_config is None else vllm_config.additional_config)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """The plugin's configuration, read from vLLM's ``additional_config`` and validated once, at start-up.
 
 ``--additional-config '{"flexentropy": {"dense_prefix": 8192, "coverage": 0.7}}'`` (or ``LLM(...,
-additional_config={...})``) sets `EntropyConfig`'s prefill fields by their names; a field left out keeps its default.
-The entry is read by the library's one reader of configuration (`flexentropy.settings.parse_settings`); this module
+additional_config={...})``) turns the plugin on and sets `EntropyConfig`'s prefill fields by their names; a field left
+out keeps its default (``{"flexentropy": {}}``: on, at the defaults). Without the entry the plugin is off. The entry is
+read by the library's one reader of configuration (`flexentropy.settings.parse_settings`); this module
 adds the plugin's own rules. It imports no vLLM: it reads plain values, so the checks run (and are tested) without
 it.
 """
@@ -16,7 +17,7 @@ from flexentropy.config import EntropyConfig
 from flexentropy.settings import KNOBS_KEY, parse_settings
 
 CONFIG_KEY = "flexentropy"
-"""The key of `EntropyConfig`'s fields in vLLM's ``additional_config``."""
+"""The key of `EntropyConfig`'s fields in vLLM's ``additional_config``: the entry turns the plugin on."""
 
 PREFILL_POLICY = "entropy"
 """The one prefill policy the plugin runs (``"prefill"`` in the config may name it, nothing else)."""
@@ -27,15 +28,15 @@ DECODE_FIELDS = frozenset(f.name for f in fields(EntropyConfig) if f.name.starts
 its paged cache: docs/design.md §7)."""
 
 DEFAULTS = EntropyConfig()
-"""The plugin's configuration without an entry; the values a decode field must keep under vLLM."""
+"""The values a decode field must keep under vLLM."""
 
-DISABLE_HINT = ("to serve without flexentropy, leave it out of vLLM's plugins: set VLLM_PLUGINS to the comma-separated "
-                "names of the other plugins you use (VLLM_PLUGINS= with none)")
+DISABLE_HINT = (f"to serve this model without flexentropy, leave the {CONFIG_KEY!r} entry out of vLLM's "
+                "additional_config (vLLM then runs as without the plugin)")
 
 
-def plugin_config(additional_config: object) -> EntropyConfig:
-    """The `EntropyConfig` that vLLM's ``additional_config`` gives the plugin (defaults without a ``"flexentropy"``
-    entry).
+def plugin_config(additional_config: object) -> EntropyConfig | None:
+    """The `EntropyConfig` that vLLM's ``additional_config`` gives the plugin, or None, the plugin off: no
+    ``"flexentropy"`` entry (or ``null`` there).
 
     Raises:
         TypeError, ValueError: an entry that is not a mapping of `EntropyConfig` prefill fields, a value
@@ -44,7 +45,7 @@ def plugin_config(additional_config: object) -> EntropyConfig:
     """
     entry = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
     if entry is None:
-        return DEFAULTS
+        return None
     where = f"additional_config[{CONFIG_KEY!r}]"
     settings = parse_settings(entry, where)
     if settings.prefill != PREFILL_POLICY or settings.knobs:

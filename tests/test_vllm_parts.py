@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexentropy import EntropyConfig
+from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.integrations.vllm.paged import (
     flash_pages,
     gather_indexed,
@@ -25,6 +26,7 @@ from flexentropy.integrations.vllm.paged import (
 )
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
+from flexentropy.integrations.vllm.warm_up import warm_up_chunks
 from flexentropy.settings import parse_settings
 
 # --------------------------------------------------------------------------------------------------------------
@@ -312,3 +314,21 @@ def test_counters_average_the_density_and_log_at_the_first_sparse_chunk(caplog: 
     assert len(caplog.records) == 2
     assert "2 prompt chunks sparse, 3 dense" in caplog.records[-1].getMessage()
     assert counters.snapshot() == stats.PrefillStats(2, 3, 2, 1, 0.5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the start-up warm-up
+
+
+@pytest.mark.parametrize("config", [EntropyConfig(), EntropyConfig(dense_prefix=700, segment_size=512, block_size=64)])
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+def test_warm_up_chunks_hold_one_of_every_class(config: EntropyConfig, page_size: int) -> None:
+    """Warm-up chunks past ``dense_prefix`` of each class that compiles a graph of its own: starting on the
+    128-token query grid or off it, each ending on a page boundary or past it, long (several segments) and short;
+    and whole prompts, ending on a page boundary or past it."""
+    chunks = warm_up_chunks(config, page_size)
+    assert all(c.key_length > config.dense_prefix and c.start == c.q_start for c in chunks)
+    classes = {(c.q_start == 0, c.q_start % Q_BLOCK_SIZE == 0, c.end - c.start >= 2 * config.segment_size,
+                c.key_length % page_size == 0) for c in chunks}
+    every = {(False, grid, long, whole) for grid in (True, False) for long in (True, False) for whole in (True, False)}
+    assert classes == every | {(True, True, True, True), (True, True, True, False)}

@@ -14,7 +14,7 @@ import gc
 import importlib.metadata
 import importlib.util
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,8 @@ def skip_reason() -> str | None:
 REASON = skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
+PROFILING = Path(__file__).resolve().parents[1] / "profiling"
+
 CHUNK = 256
 """``max_num_batched_tokens`` of the tiny model's engines: prompts arrive in chunks of this many tokens."""
 
@@ -78,12 +80,13 @@ class Answer:
 
 
 def run(model: Path, *batches: list[Any], plugin: bool, config: dict[str, Any] | None = None, new_tokens: int = 8,
-        **options: Any) -> tuple[list[Answer], PrefillStats]:
+        started: Callable[[], object] = lambda: None, **options: Any) -> tuple[list[Answer], PrefillStats]:
     """The `Answer` of each prompt of ``batches`` (generated one batch after the other, so that a later batch can
     find an earlier one's prompts in vLLM's prefix cache) and the plugin's counters, from a ``vllm.LLM`` on ``model``
     with the plugin registered (``config``: its ``additional_config`` entry, which turns it on; None: no entry) or
     vLLM's own ``CPU_ATTN`` without it; chunked prefill by `CHUNK` tokens unless ``options`` say otherwise. The engine
-    is gone when this returns (a second one in the process needs the first one's parallel state torn down)."""
+    is gone when this returns (a second one in the process needs the first one's parallel state torn down).
+    ``started`` runs once the engine has started, before the first prompt."""
     from vllm import LLM, SamplingParams
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -98,6 +101,7 @@ def run(model: Path, *batches: list[Any], plugin: bool, config: dict[str, Any] |
                 "enable_chunked_prefill": True, "max_num_batched_tokens": CHUNK, "seed": 0,
                 "additional_config": {"another_plugin": 1} if config is None else {CONFIG_KEY: config}, **options}
     llm = LLM(model=str(model), **settings)
+    started()
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, logprobs=0, detokenize=False)
         outputs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
@@ -234,6 +238,30 @@ def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_
     assert (stats.sparse_chunks, stats.dense_chunks) == (5, 1), stats
     assert (stats.sparse_layers, stats.dense_layers) == (5 * 2, 5 * 1), stats
     assert 0 < stats.mean_density < 1, stats
+
+
+def test_start_up_compiles_what_requests_need(in_process: None, tiny_llama: Path) -> None:
+    """The plugin compiles at start-up (its warm-up chunks, `flexentropy.integrations.vllm.warm_up`) what long prompt
+    chunks compile: after the engine has started, prompts of every kind compile nothing of flexentropy's: lengths of
+    whole cache pages and not, chunks starting on the query grid and off it (a prefix-cache hit of 1200 tokens), a
+    last chunk of a few tokens, requests batched together, decoding among prompt chunks. Counted by dynamo in this
+    process (the engine runs in it); dynamo's caches are emptied first, so what earlier tests compiled does not
+    count. (vLLM compiles a graph of its own for the first request asking for log-probabilities: not counted.) The
+    same count on a GPU: profiling/vllm_cold_start.py."""
+    import torch._dynamo
+
+    spec = importlib.util.spec_from_file_location("vllm_cold_start", PROFILING / "vllm_cold_start.py")
+    cold_start = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold_start)
+    flexentropy_compiles = cold_start.flexentropy_compiles
+    torch._dynamo.reset()
+    at_start: list[int] = []
+    batches = (*tiny_batches(), token_prompts(3000, 2049, 700))
+    _, stats = run(tiny_llama, *batches, plugin=True, config={"dense_prefix": 512}, skip_tokenizer_init=True,
+                   max_num_batched_tokens=512, started=lambda: at_start.append(flexentropy_compiles()))
+    assert at_start[0] > 0                          # the warm-up compiled
+    assert stats.sparse_chunks > 5 and stats.sparse_layers > 0, stats
+    assert flexentropy_compiles() == at_start[0], "a served prompt compiled flexentropy's code"
 
 
 @pytest.mark.parametrize(("config", "says"), [

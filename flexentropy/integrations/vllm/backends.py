@@ -43,8 +43,10 @@ from flexentropy.integrations.vllm.plugin import EXTENDED_BACKENDS
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
+from flexentropy.integrations.vllm.warm_up import warm_up_chunks
 from flexentropy.prefill.selection import select_blocks
 from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class SparsePrefillBuilder:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
         self.flexentropy = chosen_config(vllm_config)
         self.decode_query_len = decode_query_len(vllm_config)
+        warm_up(vllm_config, kv_cache_spec, layer_names, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False,
               **kwargs: Any) -> Any:
@@ -168,14 +171,41 @@ class SparsePrefillImpl:
                 output.index_copy_(0, rows, part)
         layer_idx = layer_index(layer.layer_name)
         for chunk in step.chunks:
-            q = query[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            k, v = self.read_cache(layer, kv_cache, step.block_table[chunk.request], chunk.key_length)
-            plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
-            out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
-                                           scale=self.scale)  # type: ignore[attr-defined]
-            output[chunk.start:chunk.end] = out[0].transpose(0, 1)
+            out, plan = self.attend_chunk(layer, query, kv_cache, step.block_table[chunk.request], chunk, layer_idx)
+            output[chunk.start:chunk.end] = out
             COUNTERS.count_layer(None if plan.dense else plan.density_tensor())
         return output
+
+    def attend_chunk(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan]:
+        """One long prompt chunk's attention in this layer: its rows of the step's ``query [T, Hq, D]`` over the
+        request's keys and values in ``kv_cache`` (pages ``page_table``). Returns ``([M, Hq, D], its plan)``.
+
+        The chunk's queries are copied first (``M x Hq x D``, a share of the keys and values gathered beside them), so
+        that the compiled kernels see one layout whatever the model hands vLLM (a view into its fused projection, a
+        step of any length): the classes of shapes that `warm_up` compiles at start-up are then those requests bring.
+        """
+        q = query[chunk.start:chunk.end].clone().transpose(0, 1).unsqueeze(0)
+        k, v = self.read_cache(layer, kv_cache, page_table, chunk.key_length)
+        plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
+        out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
+                                       scale=self.scale)  # type: ignore[attr-defined]
+        return out[0].transpose(0, 1), plan
+
+    def warm_up(self, layer: Any, layer_idx: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Run a chunk of every class of `warm_up_chunks` through `attend_chunk` in layer ``layer_idx``, on random
+        queries and a scratch cache of ``page_size``-token pages, as a served step runs them (inference mode), so
+        that what they compile is compiled now."""
+        chunks = warm_up_chunks(self.flexentropy, page_size)
+        longest = max(chunk.key_length for chunk in chunks)
+        pages = -(-longest // page_size)
+        heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            kv_cache = torch.randn(pages, kv_heads, page_size, 2 * head_size, dtype=dtype, device=device)
+            query = torch.randn(longest, heads, head_size, dtype=dtype, device=device)
+            page_table = torch.arange(pages, dtype=torch.int32, device=device)
+            for chunk in chunks:
+                self.attend_chunk(layer, query, kv_cache, page_table, chunk, layer_idx)
 
     def read_cache(self, layer: Any, kv_cache: torch.Tensor, page_table: torch.Tensor,
                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +224,19 @@ class SparsePrefillImpl:
         layout = self.page_layout
         return (gather_indexed(kv_cache, layout.keys, page_table, length),
                 gather_indexed(kv_cache, layout.values, page_table, length))
+
+
+def warm_up(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str], device: torch.device) -> None:
+    """Compile at start-up what the long prompt chunks of this KV-cache group's layers will compile: the chunks of
+    `warm_up_chunks` through one sparse and one dense layer of the group (`SparsePrefillImpl.warm_up`), each on its
+    own scratch cache, so that the first request served compiles nothing."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = {layer_index(name): context[name] for name in layer_names
+              if isinstance(getattr(context.get(name), "impl", None), SparsePrefillImpl)}
+    config = chosen_config(vllm_config)
+    picked = {index in config.dense_layers: index for index in sorted(layers)}    # a sparse and a dense layer
+    for index in picked.values():
+        layers[index].impl.warm_up(layers[index], index, kv_cache_spec.block_size, kv_cache_spec.dtype, device)
 
 
 @functools.cache

@@ -4,12 +4,14 @@ policy's own knobs).
 `flexentropy.enable` puts one `Settings` on the model (`SETTINGS_ATTR`) and hands the same object to every attention
 module's `LayerState`; the decode engine reads it there (`model_settings`) for the defaults of its loops. The dict on
 ``model.config.flexentropy`` (`CONFIG_ATTR`, written by `settings_dict`) is a record for ``save_pretrained``: it is
-read (`parse_settings`) only for a model that `enable` did not switch, e.g. one loaded with
-``attn_implementation="flexentropy"``. Nothing here imports transformers.
+read (`parse_settings`, the one reader of the configuration from plain values, vLLM's plugin's included) only for a
+model that `enable` did not switch, e.g. one loaded with ``attn_implementation="flexentropy"``. Nothing here imports
+transformers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any, NamedTuple
 
@@ -44,10 +46,10 @@ class Settings(NamedTuple):
     knobs: dict[str, Any]
 
 
-def check_prefill(prefill: object) -> None:
-    """Raise ``ValueError`` unless ``prefill`` names one of `PREFILL_MODES`."""
+def check_prefill(prefill: object, where: str = "prefill") -> None:
+    """Raise ``ValueError`` unless ``prefill`` names one of `PREFILL_MODES` (``where``: what the message calls it)."""
     if prefill not in PREFILL_MODES:
-        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        raise ValueError(f"{where} must be one of {PREFILL_MODES}, got {prefill!r}")
 
 
 def settings_dict(config: EntropyConfig, prefill: str, knobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -57,28 +59,43 @@ def settings_dict(config: EntropyConfig, prefill: str, knobs: dict[str, Any] | N
     return {"prefill": prefill, **own, **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}}
 
 
-def parse_settings(value: object) -> Settings:
-    """`Settings` from a model config's ``flexentropy`` attribute (the record).
+def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Settings:
+    """`Settings` from plain values: the one reader of flexentropy's configuration from JSON, be it the record on a
+    model's config (``model.config.flexentropy``), vLLM's ``additional_config["flexentropy"]`` or a lab's file.
 
-    Accepts None (defaults), an `EntropyConfig`, or a dict of `EntropyConfig` fields plus optional ``"prefill"``
-    and ``"prefill_knobs"`` keys (lists are read as tuples).
+    Accepts None (defaults), an `EntropyConfig`, or a mapping of `EntropyConfig` fields plus optional ``"prefill"``
+    (one of `PREFILL_MODES`, default ``"entropy"``) and ``"prefill_knobs"`` keys; lists are read as tuples (JSON has
+    no tuples: ``"coverage": [0.8, 0.6]``). A field left out keeps its default.
+
+    Raises:
+        TypeError, ValueError: a value that is not such a mapping, an unknown field, an unknown prefill policy or a
+            value `EntropyConfig` refuses; the message starts with ``where`` (what the caller calls the value).
     """
     if value is None:
         return Settings(EntropyConfig(), "entropy", {})
     if isinstance(value, EntropyConfig):
         return Settings(value, "entropy", {})
-    if not isinstance(value, dict):
-        raise TypeError(f"config.{CONFIG_ATTR} must be a dict of EntropyConfig fields or an EntropyConfig, "
-                        f"got {type(value).__name__}")
-    knobs = dict(value)
-    prefill = knobs.pop("prefill", "entropy")
-    own = dict(knobs.pop(KNOBS_KEY, None) or {})
-    check_prefill(prefill)
-    unknown = set(knobs) - {f.name for f in fields(EntropyConfig)}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a mapping of EntropyConfig fields (plus optional 'prefill' and "
+                        f"'{KNOBS_KEY}'), e.g. {{\"dense_prefix\": 8192, \"coverage\": [0.8, 0.6]}}, or an "
+                        f"EntropyConfig; got {type(value).__name__} {value!r}")
+    values = dict(value)
+    prefill = values.pop("prefill", "entropy")
+    knobs = values.pop(KNOBS_KEY, None) or {}
+    check_prefill(prefill, f"{where}['prefill']")
+    if not isinstance(knobs, Mapping):
+        raise TypeError(f"{where}['{KNOBS_KEY}'] must be a mapping of the prefill policy's knobs, got "
+                        f"{type(knobs).__name__} {knobs!r}")
+    names = {f.name for f in fields(EntropyConfig)}
+    unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"config.{CONFIG_ATTR} has unknown EntropyConfig field(s) {sorted(unknown)}")
-    knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}
-    return Settings(EntropyConfig(**knobs), prefill, own)
+        raise ValueError(f"{where}: unknown field(s) {unknown}; expected EntropyConfig's fields {sorted(names)}, "
+                         f"'prefill' or '{KNOBS_KEY}'")
+    try:
+        config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{where}: {err}") from None
+    return Settings(config, prefill, dict(knobs))
 
 
 def model_settings(model: Any) -> Settings:

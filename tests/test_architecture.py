@@ -5,7 +5,8 @@
 - transformers is imported only at the library's edge, and models are patched (hooks, replaced attributes) only
   by the modules of `PATCHERS`;
 - vLLM is imported only by the vLLM plugin (`flexentropy/integrations/vllm/`), which imports neither transformers
-  nor the transformers integration, and which nothing else imports;
+  nor the transformers integration (`flexentropy/integrations/hf/`), and which nothing else imports; importing it, in a
+  fresh interpreter, loads none of them;
 - no module writes another object's private attributes;
 - the lab's needle demo and its evaluation never import each other;
 - the lab (`bench/`, `profiling/`) and the oracle (`reference/`) import only the library's public names.
@@ -14,6 +15,10 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +31,9 @@ OUTSIDE = ("bench", "reference", "tests", "profiling")
 USERS = ("bench", "profiling", "reference")
 """The lab and the oracle: users of the library, through its public names only."""
 
-TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations", "flexentropy.cli")
-"""Library modules (and packages) that may import transformers: cache storage, the decode engine, the model backends,
-the command line."""
+TRANSFORMERS_ALLOWED = ("flexentropy.caches", "flexentropy.engine", "flexentropy.integrations.hf", "flexentropy.cli")
+"""Library modules (and packages) that may import transformers: cache storage, the decode engine, the transformers
+integration, the command line (the library's transformers side)."""
 
 VLLM_PLUGIN = "flexentropy.integrations.vllm"
 """The only library package that may import vLLM (and the only one vLLM loads)."""
@@ -161,20 +166,36 @@ def test_transformers_only_at_the_edge() -> None:
 
 def test_vllm_only_in_its_plugin() -> None:
     """vLLM is imported only inside the plugin; the plugin imports no transformers and none of the library's
-    transformers side (the other integrations, the caches, the decoding loops, the command); nothing imports it."""
-    transformers_side = [m for m in TRANSFORMERS_ALLOWED if m != "flexentropy.integrations"]
+    transformers side (the transformers integration, the caches, the decoding loops, the command); nothing imports
+    it."""
     offenders = []
     for name, path in sources(LIBRARY).items():
         inside = is_within(name, VLLM_PLUGIN)
         for m in imports(path):
             if is_within(m, "vllm") and not inside:
                 offenders.append(f"{name} imports {m}")
-            if inside and (is_within(m, "transformers") or any(is_within(m, t) for t in transformers_side)
-                           or (is_within(m, "flexentropy.integrations") and not is_within(m, VLLM_PLUGIN))):
+            if inside and (is_within(m, "transformers") or any(is_within(m, t) for t in TRANSFORMERS_ALLOWED)):
                 offenders.append(f"{name} (the vLLM plugin) imports {m}")
             if not inside and is_within(m, VLLM_PLUGIN):
                 offenders.append(f"{name} imports the vLLM plugin ({m})")
     assert not offenders, offenders
+
+
+def test_importing_the_vllm_plugin_loads_no_transformers() -> None:
+    """The module of the plugin's entry point (pyproject's ``vllm.general_plugins``), imported in a fresh interpreter,
+    loads neither transformers nor any module of the library's transformers side: every package above it (the
+    library's, ``flexentropy.integrations``) imports neither engine, which the import lines alone do not show."""
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["entry-points"]
+    module = entry["vllm.general_plugins"]["flexentropy"].partition(":")[0]
+    assert is_within(module, VLLM_PLUGIN), module
+    code = f"import sys, {module}; print(' '.join(sys.modules))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                            env=env).stdout.split()
+    assert module in loaded
+    offenders = sorted(m for m in loaded if is_within(m, "transformers")
+                       or any(is_within(m, side) for side in TRANSFORMERS_ALLOWED))
+    assert not offenders, f"importing {module} loaded {offenders[:8]} ({len(offenders)} modules)"
 
 
 def test_only_integrations_patch_models() -> None:

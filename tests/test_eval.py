@@ -166,7 +166,7 @@ def test_later_turns_run_on_the_same_cache(tmp_path: Path, loaded: Loaded) -> No
     from transformers import DynamicCache
 
     from bench.data import next_turn_ids
-    from flexentropy.integrations import cache_keyword
+    from flexentropy.integrations.hf import cache_keyword
 
     model = loaded.model
     sample = make_sample("niah_multiturn", 600, 0, TOKENIZER)

@@ -43,7 +43,7 @@ def test_finds_the_needle_like_dense(smollm2: tuple[object, object], depth: floa
     from transformers import DynamicCache
 
     from flexentropy.caches import LatentKVCache
-    from flexentropy.integrations import enable, prefill_density
+    from flexentropy.integrations.hf import enable, prefill_density
 
     dense, tokenizer = smollm2
     sparse = enable(copy.deepcopy(dense), CONFIG)
@@ -75,7 +75,7 @@ def test_the_code_survives_an_eviction_inside_the_answer(smollm2: tuple[object, 
     and the answer lost them ("601" for 60494) at both budgets; with the continuation kept (the default
     ``decode_span``) the answer is the full cache's."""
     from flexentropy.caches import LatentKVCache
-    from flexentropy.integrations import enable
+    from flexentropy.integrations.hf import enable
 
     dense, tokenizer = smollm2
     config = EntropyConfig(dense_prefix=8192, decode_delay=8, decode_budget=budget)   # dense prefill: the cache alone

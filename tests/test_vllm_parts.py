@@ -5,7 +5,10 @@ caches laid out as vLLM's backends lay them out. The plugin inside a real vLLM e
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexentropy import EntropyConfig
+from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.integrations.vllm.paged import (
     flash_pages,
     gather_indexed,
@@ -22,14 +26,19 @@ from flexentropy.integrations.vllm.paged import (
 )
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
+from flexentropy.integrations.vllm.warm_up import warm_up_chunks
+from flexentropy.settings import parse_settings
 
 # --------------------------------------------------------------------------------------------------------------
 # configuration
 
 
-def test_config_defaults_and_fields() -> None:
-    assert plugin_config({}) == EntropyConfig()
-    assert plugin_config(None) == EntropyConfig()
+def test_config_off_without_the_entry_defaults_with_an_empty_one() -> None:
+    """The plugin runs only where ``additional_config`` has a ``"flexentropy"`` entry; ``{}`` there: the defaults."""
+    assert plugin_config({}) is None
+    assert plugin_config(None) is None
+    assert plugin_config({"other_plugin": {"x": 1}, CONFIG_KEY: None}) is None
+    assert plugin_config({CONFIG_KEY: {}}) == EntropyConfig()
     config = plugin_config({CONFIG_KEY: {"dense_prefix": 8192, "coverage": [0.9, 0.7], "dense_layers": [0, 1],
                                          "prefill": "entropy"}})
     assert config == EntropyConfig(dense_prefix=8192, coverage=(0.9, 0.7), dense_layers=(0, 1))
@@ -39,6 +48,7 @@ def test_config_defaults_and_fields() -> None:
     ({"dense_prefx": 1}, ValueError, "unknown field(s) ['dense_prefx']"),
     ({"decode_budget": 512}, ValueError, "KV-cache eviction"),
     ({"prefill": "flexprefill"}, ValueError, "prefill='flexprefill' is not supported"),
+    ({"prefill_knobs": {"window": 128}}, ValueError, "'prefill_knobs' is not supported"),
     ({"block_size": 96}, ValueError, "additional_config['flexentropy']: EntropyConfig.block_size must be 64 or 128"),
     ({"coverage": "high"}, TypeError, "coverage"),
     ([1, 2], TypeError, "must be a mapping of EntropyConfig fields"),
@@ -47,6 +57,28 @@ def test_config_errors_say_what_to_write(entry: object, error: type[Exception], 
     with pytest.raises(error) as caught:
         plugin_config({CONFIG_KEY: entry})
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dense_prefix": 8192, "coverage": [0.9, 0.7], "dense_layers": [0, 1]},
+    MappingProxyType({"segment_size": 512, "block_size": 64, "prefill": "entropy"}),
+])
+def test_one_reader_for_the_record_and_the_plugin(entry: Mapping[str, object]) -> None:
+    """A model config's record (`parse_settings`) and vLLM's ``additional_config`` entry are read by one reader: the
+    same plain values (any mapping; JSON's lists as tuples) give the same `EntropyConfig`."""
+    config = parse_settings(entry).config
+    assert plugin_config({CONFIG_KEY: entry}) == config
+    assert config == EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()
+                                      if k != "prefill"})
+
+
+def test_the_reader_names_where_a_refused_value_came_from() -> None:
+    for read, where in ((parse_settings, "config.flexentropy"),
+                        (lambda entry: plugin_config({CONFIG_KEY: entry}), "additional_config['flexentropy']")):
+        with pytest.raises(ValueError, match=re.escape(f"{where}: EntropyConfig.block_size must be 64 or 128")):
+            read({"block_size": 96})
+        with pytest.raises(ValueError, match=re.escape(f"{where}['prefill'] must be one of")):
+            read({"prefill": "sparse"})
 
 
 def test_layer_checks() -> None:
@@ -58,7 +90,7 @@ def test_layer_checks() -> None:
                          ({"logits_soft_cap": 30.0}, "soft-cap of 30.0"), ({"sinks": torch.zeros(2)}, "sinks"),
                          ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
                          ({"attn_type": "encoder_only"}, "encoder_only attention")):
-        with pytest.raises(ValueError, match="VLLM_PLUGINS") as caught:
+        with pytest.raises(ValueError, match="leave the 'flexentropy' entry out") as caught:
             check_layer(**{**plain, **change})
         assert says in str(caught.value)
 
@@ -282,3 +314,21 @@ def test_counters_average_the_density_and_log_at_the_first_sparse_chunk(caplog: 
     assert len(caplog.records) == 2
     assert "2 prompt chunks sparse, 3 dense" in caplog.records[-1].getMessage()
     assert counters.snapshot() == stats.PrefillStats(2, 3, 2, 1, 0.5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the start-up warm-up
+
+
+@pytest.mark.parametrize("config", [EntropyConfig(), EntropyConfig(dense_prefix=700, segment_size=512, block_size=64)])
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+def test_warm_up_chunks_hold_one_of_every_class(config: EntropyConfig, page_size: int) -> None:
+    """Warm-up chunks past ``dense_prefix`` of each class that compiles a graph of its own: starting on the
+    128-token query grid or off it, each ending on a page boundary or past it, long (several segments) and short;
+    and whole prompts, ending on a page boundary or past it."""
+    chunks = warm_up_chunks(config, page_size)
+    assert all(c.key_length > config.dense_prefix and c.start == c.q_start for c in chunks)
+    classes = {(c.q_start == 0, c.q_start % Q_BLOCK_SIZE == 0, c.end - c.start >= 2 * config.segment_size,
+                c.key_length % page_size == 0) for c in chunks}
+    every = {(False, grid, long, whole) for grid in (True, False) for long in (True, False) for whole in (True, False)}
+    assert classes == every | {(True, True, True, True), (True, True, True, False)}

@@ -14,7 +14,7 @@ import gc
 import importlib.metadata
 import importlib.util
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from flexentropy import EntropyConfig
 from flexentropy.integrations.vllm import CONFIG_KEY, PrefillStats, prefill_stats, register, reset_prefill_stats
 
 
@@ -48,6 +49,8 @@ def skip_reason() -> str | None:
 
 REASON = skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+PROFILING = Path(__file__).resolve().parents[1] / "profiling"
 
 CHUNK = 256
 """``max_num_batched_tokens`` of the tiny model's engines: prompts arrive in chunks of this many tokens."""
@@ -77,12 +80,13 @@ class Answer:
 
 
 def run(model: Path, *batches: list[Any], plugin: bool, config: dict[str, Any] | None = None, new_tokens: int = 8,
-        **options: Any) -> tuple[list[Answer], PrefillStats]:
+        started: Callable[[], object] = lambda: None, **options: Any) -> tuple[list[Answer], PrefillStats]:
     """The `Answer` of each prompt of ``batches`` (generated one batch after the other, so that a later batch can
     find an earlier one's prompts in vLLM's prefix cache) and the plugin's counters, from a ``vllm.LLM`` on ``model``
-    with the plugin's backend (``config`` as its ``additional_config`` entry) or vLLM's own ``CPU_ATTN``; chunked
-    prefill by `CHUNK` tokens unless ``options`` say otherwise. The engine is gone when this returns (a second one in
-    the process needs the first one's parallel state torn down)."""
+    with the plugin registered (``config``: its ``additional_config`` entry, which turns it on; None: no entry) or
+    vLLM's own ``CPU_ATTN`` without it; chunked prefill by `CHUNK` tokens unless ``options`` say otherwise. The engine
+    is gone when this returns (a second one in the process needs the first one's parallel state torn down).
+    ``started`` runs once the engine has started, before the first prompt."""
     from vllm import LLM, SamplingParams
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -95,8 +99,9 @@ def run(model: Path, *batches: list[Any], plugin: bool, config: dict[str, Any] |
     reset_prefill_stats()
     settings = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 4,
                 "enable_chunked_prefill": True, "max_num_batched_tokens": CHUNK, "seed": 0,
-                "additional_config": {} if config is None else {CONFIG_KEY: config}, **options}
+                "additional_config": {"another_plugin": 1} if config is None else {CONFIG_KEY: config}, **options}
     llm = LLM(model=str(model), **settings)
+    started()
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, logprobs=0, detokenize=False)
         outputs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
@@ -152,6 +157,46 @@ def vllm_own(in_process: None, tiny_llama: Path) -> list[Answer]:
     return run(tiny_llama, *tiny_batches(), plugin=False, skip_tokenizer_init=True)[0]
 
 
+@pytest.fixture
+def notices(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The plugin's log lines from here on (each notice logged again, as in a new process)."""
+    import logging
+
+    from flexentropy.integrations.vllm import stats
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(stats, "_noticed", set())
+    stats.logger.addHandler(handler)
+    yield lines
+    stats.logger.removeHandler(handler)
+
+
+def test_installed_but_not_chosen_is_vllm_own(vllm_own: list[Answer], tiny_llama: Path, notices: list[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registered (as in every vLLM process of an environment with flexentropy) but without a ``"flexentropy"``
+    entry in ``additional_config``: vLLM's own backend class runs, flexentropy's is never built, the answers are
+    those of vLLM without the plugin to the bit, and the start-up line says the plugin is off."""
+    from flexentropy.integrations.vllm import backends
+
+    built: list[str] = []
+
+    def spy(name: str) -> type:
+        built.append(name)
+        return sparse_backend(name)
+
+    sparse_backend = backends.sparse_backend
+    monkeypatch.setattr(backends, "sparse_backend", spy)
+    got, stats = run(tiny_llama, *tiny_batches(), plugin=True, skip_tokenizer_init=True)
+    assert built == []
+    assert got == vllm_own
+    assert stats == PrefillStats(0, 0, 0, 0, None)
+    assert [line for line in notices if line.startswith("flexentropy: ")] == [
+        "flexentropy: off (no 'flexentropy' entry in vLLM's additional_config): vLLM's CPU_ATTN backend runs as "
+        "without the plugin; --additional-config '{\"flexentropy\": {}}' turns it on"]
+
+
 def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[Answer], tiny_llama: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Coverage 1.0 keeps every key block: the sparse kernel computes dense attention, so the greedy tokens and their
@@ -180,16 +225,43 @@ def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[Answer], tiny_l
     assert set(leading) == {True, False}, leading
 
 
-def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_llama: Path) -> None:
+def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_llama: Path,
+                                                         notices: list[str]) -> None:
     """The defaults (``dense_prefix`` lowered to 512) on one 3072-token prompt arriving in chunks of 512: the first
     chunk (keys up to 512) runs vLLM's kernel, the five after it the sparse prefill, in every layer but the dense
-    layer 0, at a density below 1."""
+    layer 0, at a density below 1; the start-up line says the plugin is on, and with what."""
     [answer], stats = run(tiny_llama, token_prompts(3072), plugin=True, config={"dense_prefix": 512}, new_tokens=4,
                           skip_tokenizer_init=True, max_num_batched_tokens=512, max_num_seqs=1)
+    assert notices[0] == (f"flexentropy: on: vLLM's CPU_ATTN backend runs the prompt chunks whose keys reach past "
+                          f"dense_prefix=512 tokens sparse ({EntropyConfig(dense_prefix=512)})")
     assert len(answer.tokens) == 4
     assert (stats.sparse_chunks, stats.dense_chunks) == (5, 1), stats
     assert (stats.sparse_layers, stats.dense_layers) == (5 * 2, 5 * 1), stats
     assert 0 < stats.mean_density < 1, stats
+
+
+def test_start_up_compiles_what_requests_need(in_process: None, tiny_llama: Path) -> None:
+    """The plugin compiles at start-up (its warm-up chunks, `flexentropy.integrations.vllm.warm_up`) what long prompt
+    chunks compile: after the engine has started, prompts of every kind compile nothing of flexentropy's: lengths of
+    whole cache pages and not, chunks starting on the query grid and off it (a prefix-cache hit of 1200 tokens), a
+    last chunk of a few tokens, requests batched together, decoding among prompt chunks. Counted by dynamo in this
+    process (the engine runs in it); dynamo's caches are emptied first, so what earlier tests compiled does not
+    count. (vLLM compiles a graph of its own for the first request asking for log-probabilities: not counted.) The
+    same count on a GPU: profiling/vllm_cold_start.py."""
+    import torch._dynamo
+
+    spec = importlib.util.spec_from_file_location("vllm_cold_start", PROFILING / "vllm_cold_start.py")
+    cold_start = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold_start)
+    flexentropy_compiles = cold_start.flexentropy_compiles
+    torch._dynamo.reset()
+    at_start: list[int] = []
+    batches = (*tiny_batches(), token_prompts(3000, 2049, 700))
+    _, stats = run(tiny_llama, *batches, plugin=True, config={"dense_prefix": 512}, skip_tokenizer_init=True,
+                   max_num_batched_tokens=512, started=lambda: at_start.append(flexentropy_compiles()))
+    assert at_start[0] > 0                          # the warm-up compiled
+    assert stats.sparse_chunks > 5 and stats.sparse_layers > 0, stats
+    assert flexentropy_compiles() == at_start[0], "a served prompt compiled flexentropy's code"
 
 
 @pytest.mark.parametrize(("config", "says"), [

@@ -24,6 +24,7 @@ from bench.eval.metrics import spearman
 from bench.eval.plotting import pyplot, save
 from flexentropy.config import MASS_OBSERVATIONS, EntropyConfig
 from flexentropy.prefill import allocate_budgets, observation_attention, segment_entropy
+from flexentropy.settings import parse_settings
 
 QUANTILES = (0.1, 0.25, 0.5)
 """Data-driven rigid thresholds: these quantiles of every (context, layer, head) max entropy."""
@@ -112,7 +113,7 @@ def write_results(profiles: list[torch.Tensor], contexts: list[dict[str, Any]], 
 def read_results(path: Path) -> tuple[list[torch.Tensor], list[dict[str, Any]], EntropyConfig, int]:
     """``(profiles, contexts, config, kv_heads)`` of an ``entropy_maps.json`` written by `write_results`."""
     data = json.loads(path.read_text(encoding="utf-8"))
-    config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()})
+    config = parse_settings(data["config"], f"{path}: config").config
     return [torch.tensor(p) for p in data["profiles"]], data["contexts"], config, data["kv_heads"]
 
 

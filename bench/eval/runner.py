@@ -44,6 +44,7 @@ from bench.eval.resolve import (
 from bench.eval.tasks import PLACEMENTS, TASKS, Sample, Turn, make_sample, sample_ids
 from flexentropy.cli.generation import cache_bytes, eos_ids, generate_batch_timed, warm_up
 from flexentropy.config import EntropyConfig
+from flexentropy.settings import parse_settings
 
 EVAL_CONFIG = EntropyConfig(segment_size=256, block_size=64, base_budget=256, coverage=0.8, dense_prefix=256,
                             dense_layers=(0,))
@@ -109,8 +110,7 @@ class RunSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSpec:
-        config = {k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()}
-        return cls(**{**data, "config": EntropyConfig(**config)})
+        return cls(**{**data, "config": parse_settings(data["config"], "a run's config").config})
 
 
 def expand_grid(tasks: Iterable[str], lengths: Iterable[int], prefills: Iterable[str], caches: Iterable[str], *,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 
-from flexentropy.integrations.layer_state import attention_modules
+from flexentropy.integrations.hf.layer_state import attention_modules
 
 
 @contextlib.contextmanager

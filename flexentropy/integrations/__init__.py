@@ -1,17 +1,10 @@
-"""Integrations with model libraries. Importing this package imports transformers and registers ``"flexentropy"``
-in its attention interfaces (see :mod:`flexentropy.integrations.hf`)."""
+"""flexentropy inside model engines, one sibling package per engine, each importing its engine alone:
 
-from flexentropy.integrations.hf import (
-    ATTN_IMPLEMENTATION,
-    SUPPORTED_MODEL_TYPES,
-    cache_keyword,
-    disable,
-    enable,
-    enabled,
-    local_heads,
-    prefill_density,
-    register,
-)
+- `flexentropy.integrations.hf`: transformers (``enable``/``disable``, the ``"flexentropy"`` attention and mask
+  functions, the hooks on the model, tensor parallelism). Importing it imports transformers and registers
+  ``"flexentropy"`` in its attention interfaces.
+- `flexentropy.integrations.vllm`: the vLLM plugin (its entry point, attention backends, settings and counters);
+  importing it imports neither transformers nor the transformers side of the library.
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "cache_keyword", "disable", "enable", "enabled",
-           "local_heads", "prefill_density", "register"]
+This package imports neither: ``from flexentropy.integrations.hf import enable, prefill_density``.
+"""

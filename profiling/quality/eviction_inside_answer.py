@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the lab (bench/)
 import flexentropy as fe  # noqa: E402
 from bench.data import load_essays, prompt_ids, vault_needle  # noqa: E402
 from bench.loading import load_model  # noqa: E402
-from flexentropy.integrations import cache_keyword  # noqa: E402
+from flexentropy.integrations.hf import cache_keyword  # noqa: E402
 
 SETTINGS = {   # name -> EntropyConfig changes (None: the full cache)
     "full": None,

@@ -1,11 +1,12 @@
 """flexentropy's sparse prefill inside vLLM: an attention-backend plugin (docs/usage.md, "Serving with vLLM";
 docs/design.md §7).
 
-``pip install "flexentropy[vllm]"`` registers `register` under vLLM's ``vllm.general_plugins`` entry point; vLLM then
-runs every long prompt chunk of ``FLASH_ATTN`` (CUDA) or ``CPU_ATTN`` (the CPU build) through
-`flexentropy.sparse_prefill_attention`, and everything else (decoding, short prompts) through its own kernel. The
-configuration is vLLM's ``additional_config["flexentropy"]`` (`plugin_config`). vLLM is imported only inside this
-package, and only by `backends` (which vLLM loads by name) and `register`.
+``pip install "flexentropy[vllm]"`` registers `register` under vLLM's ``vllm.general_plugins`` entry point. An engine
+whose ``additional_config`` has a ``"flexentropy"`` entry (`plugin_config`, its configuration) then runs every long
+prompt chunk of ``FLASH_ATTN`` (CUDA) or ``CPU_ATTN`` (the CPU build) through `flexentropy.sparse_prefill_attention`,
+and everything else (decoding, short prompts) through its own kernel; an engine without the entry runs vLLM's own
+backend. vLLM is imported only inside this package, and only by `backends` (which vLLM loads by name) and `register`;
+transformers is not imported.
 """
 
 from flexentropy.integrations.vllm.plugin import register

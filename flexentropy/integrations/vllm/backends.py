@@ -1,10 +1,12 @@
 """The attention backends the plugin registers: each is vLLM's own backend of that name, subclassed (docs/design.md
-§7).
+§7), for the engines that chose flexentropy.
 
-``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are made on first access from the class
-vLLM ships under that name (the enum's default path, never an override), so this module imports only what the
-running platform uses. Each keeps its parent's name, KV-cache layout, supported shapes and CUDA-graph support (at
-most uniform batches) and changes two things:
+``flexentropy.integrations.vllm.backends.FLASH_ATTN`` (and ``.CPU_ATTN``) are resolved on each access, which vLLM
+makes when it builds a model under that engine's configuration (`resolve`): vLLM's own class (the enum's default
+path, never an override) unless the configuration's ``additional_config`` has a ``"flexentropy"`` entry, else a
+subclass of it made once, so this module imports only what the running platform uses. Each subclass keeps its
+parent's name, KV-cache layout, supported shapes and CUDA-graph support (at most uniform batches) and changes two
+things:
 
 - its metadata builder (`SparsePrefillBuilder`) routes each step on the host (`routing.route`): a step without a
   long prompt chunk gets the parent's metadata exactly as the parent builds it (a step of decode rows only goes to
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.config import get_current_vllm_config, get_current_vllm_config_or_none
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+from flexentropy.config import EntropyConfig
 from flexentropy.integrations.vllm.paged import (
     PageLayout,
     flash_pages,
@@ -38,10 +41,12 @@ from flexentropy.integrations.vllm.paged import (
 )
 from flexentropy.integrations.vllm.plugin import EXTENDED_BACKENDS
 from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
-from flexentropy.integrations.vllm.settings import check_layer, plugin_config
+from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
+from flexentropy.integrations.vllm.warm_up import warm_up_chunks
 from flexentropy.prefill.selection import select_blocks
 from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,9 @@ class SparsePrefillBuilder:
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device,
                  *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
-        self.flexentropy = plugin_config(vllm_config.additional_config)
+        self.flexentropy = chosen_config(vllm_config)
         self.decode_query_len = decode_query_len(vllm_config)
+        warm_up(vllm_config, kv_cache_spec, layer_names, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False,
               **kwargs: Any) -> Any:
@@ -144,10 +150,8 @@ class SparsePrefillImpl:
         arguments = call_arguments(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_layer(**{name: arguments.get(name, default) for name, default in LAYER_ARGUMENTS.items()})
-        self.flexentropy = plugin_config(get_current_vllm_config().additional_config)
+        self.flexentropy = chosen_config(get_current_vllm_config())
         self.page_layout: PageLayout | None = None
-        notice_once("sparse prefill on vLLM's %s backend: prompt chunks whose keys reach past dense_prefix=%d tokens "
-                    "run sparse (%s)", self.backend_name, self.flexentropy.dense_prefix, self.flexentropy)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, *args: Any,
@@ -167,14 +171,41 @@ class SparsePrefillImpl:
                 output.index_copy_(0, rows, part)
         layer_idx = layer_index(layer.layer_name)
         for chunk in step.chunks:
-            q = query[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            k, v = self.read_cache(layer, kv_cache, step.block_table[chunk.request], chunk.key_length)
-            plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
-            out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
-                                           scale=self.scale)  # type: ignore[attr-defined]
-            output[chunk.start:chunk.end] = out[0].transpose(0, 1)
+            out, plan = self.attend_chunk(layer, query, kv_cache, step.block_table[chunk.request], chunk, layer_idx)
+            output[chunk.start:chunk.end] = out
             COUNTERS.count_layer(None if plan.dense else plan.density_tensor())
         return output
+
+    def attend_chunk(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan]:
+        """One long prompt chunk's attention in this layer: its rows of the step's ``query [T, Hq, D]`` over the
+        request's keys and values in ``kv_cache`` (pages ``page_table``). Returns ``([M, Hq, D], its plan)``.
+
+        The chunk's queries are copied first (``M x Hq x D``, a share of the keys and values gathered beside them), so
+        that the compiled kernels see one layout whatever the model hands vLLM (a view into its fused projection, a
+        step of any length): the classes of shapes that `warm_up` compiles at start-up are then those requests bring.
+        """
+        q = query[chunk.start:chunk.end].clone().transpose(0, 1).unsqueeze(0)
+        k, v = self.read_cache(layer, kv_cache, page_table, chunk.key_length)
+        plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
+        out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
+                                       scale=self.scale)  # type: ignore[attr-defined]
+        return out[0].transpose(0, 1), plan
+
+    def warm_up(self, layer: Any, layer_idx: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Run a chunk of every class of `warm_up_chunks` through `attend_chunk` in layer ``layer_idx``, on random
+        queries and a scratch cache of ``page_size``-token pages, as a served step runs them (inference mode), so
+        that what they compile is compiled now."""
+        chunks = warm_up_chunks(self.flexentropy, page_size)
+        longest = max(chunk.key_length for chunk in chunks)
+        pages = -(-longest // page_size)
+        heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            kv_cache = torch.randn(pages, kv_heads, page_size, 2 * head_size, dtype=dtype, device=device)
+            query = torch.randn(longest, heads, head_size, dtype=dtype, device=device)
+            page_table = torch.arange(pages, dtype=torch.int32, device=device)
+            for chunk in chunks:
+                self.attend_chunk(layer, query, kv_cache, page_table, chunk, layer_idx)
 
     def read_cache(self, layer: Any, kv_cache: torch.Tensor, page_table: torch.Tensor,
                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +226,20 @@ class SparsePrefillImpl:
                 gather_indexed(kv_cache, layout.values, page_table, length))
 
 
+def warm_up(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str], device: torch.device) -> None:
+    """Compile at start-up what the long prompt chunks of this KV-cache group's layers will compile: the chunks of
+    `warm_up_chunks` through one sparse and one dense layer of the group (`SparsePrefillImpl.warm_up`), each on its
+    own scratch cache, so that the first request served compiles nothing."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = {layer_index(name): context[name] for name in layer_names
+              if isinstance(getattr(context.get(name), "impl", None), SparsePrefillImpl)}
+    config = chosen_config(vllm_config)
+    picked = {index in config.dense_layers: index for index in sorted(layers)}    # a sparse and a dense layer
+    for index in picked.values():
+        layers[index].impl.warm_up(layers[index], index, kv_cache_spec.block_size, kv_cache_spec.dtype, device)
+
+
+@functools.cache
 def sparse_backend(name: str) -> type:
     """vLLM's backend ``name`` (one of `EXTENDED_BACKENDS`) with `SparsePrefillBuilder` and `SparsePrefillImpl`."""
     parent = resolve_obj_by_qualname(AttentionBackendEnum[name].value)
@@ -207,8 +252,33 @@ def sparse_backend(name: str) -> type:
         "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
 
 
-@functools.cache
+def resolve(name: str, additional_config: object) -> type:
+    """The class of backend ``name`` for an engine whose ``additional_config`` is this: vLLM's own without a
+    ``"flexentropy"`` entry, else flexentropy's subclass (the entry validated here, at start-up); logs, once per
+    process and outcome, whether flexentropy is on and with what."""
+    config = plugin_config(additional_config)
+    if config is None:
+        notice_once("off (no %r entry in vLLM's additional_config): vLLM's %s backend runs as without the plugin; "
+                    "--additional-config '{\"%s\": {}}' turns it on", CONFIG_KEY, name, CONFIG_KEY)
+        return resolve_obj_by_qualname(AttentionBackendEnum[name].value)
+    notice_once("on: vLLM's %s backend runs the prompt chunks whose keys reach past dense_prefix=%d tokens sparse "
+                "(%s)", name, config.dense_prefix, config)
+    return sparse_backend(name)
+
+
+def chosen_config(vllm_config: Any) -> EntropyConfig:
+    """The plugin's configuration of an engine that runs its backend (`plugin_config`)."""
+    config = plugin_config(vllm_config.additional_config)
+    if config is None:
+        raise RuntimeError(f"flexentropy's backend was built for an engine without a {CONFIG_KEY!r} entry in its "
+                           "additional_config: vLLM resolved it for an earlier engine of this process that chose "
+                           "flexentropy (it keeps one backend class per layer shape and process); start this engine "
+                           "in a process of its own")
+    return config
+
+
 def __getattr__(name: str) -> type:
     if name in EXTENDED_BACKENDS:
-        return sparse_backend(name)
+        vllm_config = get_current_vllm_config_or_none()
+        return resolve(name, None if vllm_config is None else vllm_config.additional_config)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,6 @@
-"""The plugin's entry point (``vllm.general_plugins``): vLLM calls `register` in each of its processes at start-up."""
+"""The plugin's entry point (``vllm.general_plugins``): vLLM calls `register` in each of its processes at start-up,
+before any engine's configuration exists, so `register` decides nothing: the backends it names decide, per engine,
+when vLLM resolves them under that engine's configuration (`flexentropy.integrations.vllm.backends`)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ EXTENDED_BACKENDS = ("FLASH_ATTN", "CPU_ATTN")
 
 
 def register() -> None:
-    """Make vLLM's ``FLASH_ATTN`` and ``CPU_ATTN`` attention backends resolve to flexentropy's subclasses of them
-    (`flexentropy.integrations.vllm.backends`), so that the backend vLLM picks on CUDA (``FLASH_ATTN``) or on the CPU
-    build (always ``CPU_ATTN``) runs long prompt chunks sparse. Calling it again changes nothing.
+    """Point vLLM's ``FLASH_ATTN`` and ``CPU_ATTN`` attention backends at `BACKENDS_MODULE`, which resolves each, when
+    vLLM builds a model, to vLLM's own class unless that engine's ``additional_config`` has a ``"flexentropy"`` entry
+    (then to flexentropy's subclass, which runs long prompt chunks sparse). Installed but not chosen, vLLM runs
+    exactly its own backend. Calling it again changes nothing.
 
     A model served by another backend (picked by vLLM, e.g. MLA models, or named with ``--attention-backend``) runs
-    without flexentropy; flexentropy's start-up log line (``flexentropy: sparse prefill on ...``) says where it runs.
+    without flexentropy; flexentropy's start-up line (``flexentropy: on ...`` or ``flexentropy: off ...``) says
+    whether it runs, on which backend and with what configuration.
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

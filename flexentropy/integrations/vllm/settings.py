@@ -1,20 +1,23 @@
 """The plugin's configuration, read from vLLM's ``additional_config`` and validated once, at start-up.
 
 ``--additional-config '{"flexentropy": {"dense_prefix": 8192, "coverage": 0.7}}'`` (or ``LLM(...,
-additional_config={...})``) sets `EntropyConfig`'s prefill fields by their names; a field left out keeps its default.
-This module imports no vLLM: it reads plain values, so the checks run (and are tested) without it.
+additional_config={...})``) turns the plugin on and sets `EntropyConfig`'s prefill fields by their names; a field left
+out keeps its default (``{"flexentropy": {}}``: on, at the defaults). Without the entry the plugin is off. The entry is
+read by the library's one reader of configuration (`flexentropy.settings.parse_settings`); this module
+adds the plugin's own rules. It imports no vLLM: it reads plain values, so the checks run (and are tested) without
+it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any
 
 from flexentropy.config import EntropyConfig
+from flexentropy.settings import KNOBS_KEY, parse_settings
 
 CONFIG_KEY = "flexentropy"
-"""The key of `EntropyConfig`'s fields in vLLM's ``additional_config``."""
+"""The key of `EntropyConfig`'s fields in vLLM's ``additional_config``: the entry turns the plugin on."""
 
 PREFILL_POLICY = "entropy"
 """The one prefill policy the plugin runs (``"prefill"`` in the config may name it, nothing else)."""
@@ -24,53 +27,36 @@ DECODE_FIELDS = frozenset(f.name for f in fields(EntropyConfig) if f.name.starts
 """`EntropyConfig` fields of the KV-cache eviction, which does not run under vLLM (decoding is vLLM's own kernel over
 its paged cache: docs/design.md §7)."""
 
-PREFILL_FIELDS = frozenset(f.name for f in fields(EntropyConfig)) - DECODE_FIELDS
-"""The fields the plugin accepts."""
+DEFAULTS = EntropyConfig()
+"""The values a decode field must keep under vLLM."""
 
-TUPLE_FIELDS = ("coverage", "dense_layers")
-"""Fields whose JSON form is a list and whose `EntropyConfig` form is a tuple."""
-
-DISABLE_HINT = ("to serve without flexentropy, leave it out of vLLM's plugins: set VLLM_PLUGINS to the comma-separated "
-                "names of the other plugins you use (VLLM_PLUGINS= with none)")
+DISABLE_HINT = (f"to serve this model without flexentropy, leave the {CONFIG_KEY!r} entry out of vLLM's "
+                "additional_config (vLLM then runs as without the plugin)")
 
 
-def plugin_config(additional_config: object) -> EntropyConfig:
-    """The `EntropyConfig` that vLLM's ``additional_config`` gives the plugin (defaults without a ``"flexentropy"``
-    entry).
+def plugin_config(additional_config: object) -> EntropyConfig | None:
+    """The `EntropyConfig` that vLLM's ``additional_config`` gives the plugin, or None, the plugin off: no
+    ``"flexentropy"`` entry (or ``null`` there).
 
     Raises:
         TypeError, ValueError: an entry that is not a mapping of `EntropyConfig` prefill fields, a value
-            `EntropyConfig` refuses, a decode knob, or a prefill policy other than ``"entropy"``. The message names
-            the entry and what to write instead.
+            `EntropyConfig` refuses, a decode knob away from its default, or a prefill policy other than
+            ``"entropy"``. The message names the entry and what to write instead.
     """
-    entry: Any = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    entry = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
     if entry is None:
-        return EntropyConfig()
+        return None
     where = f"additional_config[{CONFIG_KEY!r}]"
-    if not isinstance(entry, Mapping):
-        raise TypeError(f"{where} must be a mapping of EntropyConfig fields, e.g. "
-                        f'{{"{CONFIG_KEY}": {{"dense_prefix": 8192}}}}, got {type(entry).__name__} {entry!r}')
-    values = dict(entry)
-    policy = values.pop("prefill", PREFILL_POLICY)
-    if policy != PREFILL_POLICY:
-        raise ValueError(f"{where}: prefill={policy!r} is not supported under vLLM: the plugin runs the "
-                         f"{PREFILL_POLICY!r} prefill only (leave 'prefill' out)")
-    decode = sorted(set(values) & DECODE_FIELDS)
+    settings = parse_settings(entry, where)
+    if settings.prefill != PREFILL_POLICY or settings.knobs:
+        named = f"prefill={settings.prefill!r}" if settings.prefill != PREFILL_POLICY else f"{KNOBS_KEY!r}"
+        raise ValueError(f"{where}: {named} is not supported under vLLM: the plugin runs the {PREFILL_POLICY!r} "
+                         f"prefill at EntropyConfig's fields only (leave 'prefill' and {KNOBS_KEY!r} out)")
+    decode = sorted(name for name in DECODE_FIELDS if getattr(settings.config, name) != getattr(DEFAULTS, name))
     if decode:
         raise ValueError(f"{where}: {decode} configure flexentropy's KV-cache eviction, which does not run under "
                          "vLLM (decoding stays vLLM's kernel over its paged cache); remove them")
-    unknown = sorted(set(values) - PREFILL_FIELDS)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; expected EntropyConfig's prefill fields: "
-                         f"{sorted(PREFILL_FIELDS)}")
-    for name in TUPLE_FIELDS:
-        if isinstance(values.get(name), list):
-            values[name] = tuple(values[name])
-    try:
-        config = EntropyConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"{where}: {err}") from None
-    return config
+    return settings.config
 
 
 def check_layer(*, alibi_slopes: object, sliding_window: object, logits_soft_cap: object, kv_cache_dtype: str,

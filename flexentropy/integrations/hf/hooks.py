@@ -45,7 +45,7 @@ from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_latent import StaticLatentKVCache
 from flexentropy.engine.compiled_layer import decoder_module
 from flexentropy.engine.driver import begin_step, end_step, forget_drivers, step_driver
-from flexentropy.integrations.mask import real_tokens
+from flexentropy.integrations.hf.mask import real_tokens
 
 HOOKS_ATTR = "flexentropy_hooks"
 """Attribute of a switched model holding the handles of the hooks `install` registered on it: the record lives on the

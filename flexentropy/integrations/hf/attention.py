@@ -1,7 +1,7 @@
 """The ``"flexentropy"`` entry of transformers' ``AttentionInterface``: `attention_forward`.
 
 How the pieces reach it: the layer index is the module's ``layer_idx``; the `EntropyConfig` and the prefill policy
-come from the module's `LayerState` (`flexentropy.integrations.layer_state`); the cache argument (``cache`` from
+come from the module's `LayerState` (`flexentropy.integrations.hf.layer_state`); the cache argument (``cache`` from
 transformers 5.24, ``past_key_values`` before), which HF does not pass on to attention functions, is copied into
 ``flexentropy_cache`` by a forward pre-hook that `flexentropy.enable` registers (`hooks.hand_over_cache`). A
 flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs (the hand-over of design.md §3.2).
@@ -25,8 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from flexentropy.caches.keywords import CACHE_KWARG, STEP_KWARG
 from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_buffers import step_attention
-from flexentropy.integrations.layer_state import LayerState, layer_state
-from flexentropy.integrations.mask import real_tokens
+from flexentropy.integrations.hf.layer_state import LayerState, layer_state
+from flexentropy.integrations.hf.mask import real_tokens
 from flexentropy.prefill import SparsePlan, sparse_prefill_attention
 
 

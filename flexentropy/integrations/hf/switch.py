@@ -1,11 +1,11 @@
 """Switching a transformers model to flexentropy and back: `enable`, `disable`, `enabled`.
 
 `enable` registers ``"flexentropy"`` in transformers' attention and mask interfaces (`register`: the functions of
-`flexentropy.integrations.attention` and `flexentropy.integrations.mask`), gives the model its own config, puts its
-`Settings` on it (`flexentropy.settings`, shared with every attention module's `LayerState`) and installs the hooks of
-`flexentropy.integrations.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. It also runs the
-MLPs of long forwards over chunks of tokens (`flexentropy.surgery.chunked_mlp`), which `disable` undoes. Only
-`SUPPORTED_MODEL_TYPES`.
+`flexentropy.integrations.hf.attention` and `flexentropy.integrations.hf.mask`), gives the model its own config, puts
+its `Settings` on it (`flexentropy.settings`, shared with every attention module's `LayerState`) and installs the
+hooks of `flexentropy.integrations.hf.hooks`, which `disable` (or leaving ``with enabled(model): ...``) removes. It
+also runs the MLPs of long forwards over chunks of tokens (`flexentropy.surgery.chunked_mlp`), which `disable`
+undoes. Only `SUPPORTED_MODEL_TYPES`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from transformers.modeling_utils import AttentionInterface
 
 from flexentropy._checks import check_int
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.integrations import hooks
-from flexentropy.integrations.attention import attention_forward
-from flexentropy.integrations.layer_state import STATE_ATTR, LayerState, attention_modules
-from flexentropy.integrations.mask import logical_mask
-from flexentropy.integrations.tensor_parallel import local_heads
+from flexentropy.integrations.hf import hooks
+from flexentropy.integrations.hf.attention import attention_forward
+from flexentropy.integrations.hf.layer_state import STATE_ATTR, LayerState, attention_modules
+from flexentropy.integrations.hf.mask import logical_mask
+from flexentropy.integrations.hf.tensor_parallel import local_heads
 from flexentropy.policies import PrefillPolicy, make_prefill
 from flexentropy.settings import CONFIG_ATTR, SETTINGS_ATTR, Settings, check_prefill, settings_dict
 from flexentropy.sparse.kernel import COMPILED_DTYPES
@@ -73,7 +73,7 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     ``prefill`` and its knobs) on the model and every attention module, records them on ``model.config.flexentropy``
     (for ``save_pretrained``: nothing reads that dict back while the model is enabled, so editing it changes
     nothing), and installs the hooks of
-    `flexentropy.integrations.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
+    `flexentropy.integrations.hf.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
     to the attention function). Calling it again replaces the settings; `disable` undoes it.
 
     Args:
@@ -149,7 +149,7 @@ def chunk_mlps(model: PreTrainedModel, tokens: int | None) -> None:
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hooks`), its
+    """Undo `enable` in place; returns ``model``: its hooks removed (`flexentropy.integrations.hf.hooks`), its
     attention back to SDPA, the MLPs `enable` chunked whole again, its `Settings`, its layers' states and
     ``model.config.flexentropy`` dropped. A model that was not enabled is returned unchanged."""
     if not hooks.remove(model):

@@ -4,7 +4,7 @@ A `flexentropy.policies.CachePolicy` is the rule; `PolicyLayer` the per-layer st
 ``Cache`` around them: layer creation, shape checks across layers, and the hand-over of what ``update`` does not
 bring: post-RoPE queries (``observe_queries``), left padding (``observe_padding``), sliding windows
 (``observe_sliding``) and, for signal policies, hidden states and the predictive distribution (``observe_hidden`` and
-``finish_forward``, called by the hooks that `flexentropy.enable` installs, `flexentropy.integrations.hooks`).
+``finish_forward``, called by the hooks that `flexentropy.enable` installs, `flexentropy.integrations.hf.hooks`).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class PolicyCache(Cache):
         """Refuse a forward that this cache cannot serve before any of it is written, so that a refused forward leaves
         the cache as it was (its entries, lengths and counters) and the conversation it holds goes on as if the
         forward had never come. The decoder's pre-hook that `flexentropy.enable` installs calls it before every
-        forward (`flexentropy.integrations.hooks`); not while compiling.
+        forward (`flexentropy.integrations.hf.hooks`); not while compiling.
 
         Refused with a ``ValueError``: a model of another depth than the one that filled the cache since it was made
         or last `reset` (`_check_depth`); another batch size than the conversation's; tokens that do not continue

@@ -7,7 +7,7 @@ decisions due; it sets the phase the step runs in), then the forward, then the p
 ``count`` (host). Nothing else calls those three: ``generate``
 and the engine's loops run a `StepDriver`; a forward that no driver runs (an eager ``generate``, a model the user
 compiled, a hand loop) gets `begin_step` and `end_step` from the decoder's hooks that `flexentropy.enable` installs
-(`flexentropy.integrations.hooks`), and a loop over modules without them (`EntropyAttention`) calls both itself. A
+(`flexentropy.integrations.hf.hooks`), and a loop over modules without them (`EntropyAttention`) calls both itself. A
 driver's forwards carry `DRIVER_KWARG`, so that the hooks leave those steps to it.
 
 A static step is the model's forward with every decoder layer in one compiled function (inductor, no CUDA graphs of

@@ -134,21 +134,24 @@ def kernel_offset(start: int, rows: int, device: torch.device, template: str) ->
     (`flexentropy.sparse.plan.query_position`) that ``template`` (`kernel_template`) takes, so that a new offset is
     no guard on the compiled kernel:
 
-    - 0 (a whole prompt, or a chunk inside the first query block): the int; the mask captures nothing;
-    - ``"flash"`` (flash-attn-4): the rows' positions, an int32 vector ``[ceil(rows / 128) * 128 + 128]`` read at the
-      row (``positions[q_idx]``). That template turns every index of a captured load into a register value and fails
-      on a constant one, as a 0-d tensor's (index 0: "Expected TensorSSA, but got int", issue 64), and has no
-      arithmetic on symbolic sizes (``k.shape[-2] - q.shape[-2]``: "Missing operation: index_expr"). The vector
-      covers the rows of the last 128-row tile, which the kernel masks but still reads;
-    - ``"triton"`` and ``"cpu"``: a 0-d int32 tensor (Triton's template also refuses the symbolic expression).
+    - ``"triton"`` and ``"cpu"``: a 0-d int32 tensor, whole prompts (0) included, so that one graph serves whole
+      prompts and chunks;
+    - ``"flash"`` (flash-attn-4): the int 0 for a whole prompt (the mask captures nothing), and for a chunk the rows'
+      positions, an int32 vector ``[ceil(rows / 128) * 128 + 128]`` read at the row (``positions[q_idx]``). That
+      template turns every index of a captured load into a register value and fails on a constant one, as a 0-d
+      tensor's (index 0: "Expected TensorSSA, but got int", issue 64), and has no arithmetic on symbolic sizes
+      (``k.shape[-2] - q.shape[-2]``: "Missing operation: index_expr"; Triton's template refuses that too). The
+      vector covers the rows of the last 128-row tile, which the kernel masks but still reads.
 
-    The tensors are filled on the device (no host copy, no sync). Inside an outer ``torch.compile`` they are made in
-    the outer graph, which Inductor then computes inside the template's mask: Triton takes the 0-d tensor so made,
-    FLASH does not ("Missing operation: index_expr", H100, torch 2.11), so `run_plan` runs such a chunk (start > 0)
-    on Triton; the CPU template takes no tensor made inside the graph: there the int itself.
-    tests/test_sparse_kernel_contract.py holds each form to what its template takes.
+    The tensors are filled on the device (no host copy, no sync). Inside an outer ``torch.compile`` the outer graph
+    decides: the int 0 for a whole prompt; for a chunk the tensor made in that graph, which Inductor then computes
+    inside the template's mask: Triton takes the 0-d tensor so made, FLASH does not ("Missing operation:
+    index_expr", H100, torch 2.11), so `run_plan` runs such a chunk on Triton; the CPU template takes no tensor made
+    inside the graph: there the int itself. tests/test_sparse_kernel_contract.py holds each form to what its
+    template takes.
     """
-    if start == 0 or template == "cpu" and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if template == "cpu" and compiling or start == 0 and (template == "flash" or compiling):
         return start
     if template == "flash":
         span = -(-rows // Q_BLOCK_SIZE) * Q_BLOCK_SIZE + Q_BLOCK_SIZE

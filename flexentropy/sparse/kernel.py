@@ -151,7 +151,7 @@ def kernel_offset(start: int, rows: int, device: torch.device, template: str) ->
     template takes.
     """
     compiling = torch.compiler.is_compiling()
-    if template == "cpu" and compiling or start == 0 and (template == "flash" or compiling):
+    if (template == "cpu" and compiling) or (start == 0 and (template == "flash" or compiling)):
         return start
     if template == "flash":
         span = -(-rows // Q_BLOCK_SIZE) * Q_BLOCK_SIZE + Q_BLOCK_SIZE

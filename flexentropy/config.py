@@ -6,6 +6,7 @@ Defaults follow design.md §4 (the seed paper's hyper-parameters and its release
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -249,5 +250,6 @@ def check_config(config: object, owner: str = "", *, optional: bool = False) -> 
         return EntropyConfig()
     if not isinstance(config, EntropyConfig):
         expected = "an EntropyConfig or None" if optional else "an EntropyConfig"
-        raise TypeError(f"{label(owner, 'config')} must be {expected}, got {type(config).__name__}")
+        hint = " (build one from the mapping's fields: EntropyConfig(**values))" if isinstance(config, Mapping) else ""
+        raise TypeError(f"{label(owner, 'config')} must be {expected}, got {type(config).__name__}{hint}")
     return config

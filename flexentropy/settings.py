@@ -16,7 +16,7 @@ from dataclasses import asdict, fields
 from typing import Any, NamedTuple
 
 from flexentropy.config import EntropyConfig
-from flexentropy.policies import PREFILL_POLICIES
+from flexentropy.policies import PREFILL_POLICIES, make_prefill, prefill_knob_names, unknown_knobs
 
 PREFILL_MODES = tuple(PREFILL_POLICIES)
 """Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1) and the other sparse policies
@@ -68,8 +68,9 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
     no tuples: ``"coverage": [0.8, 0.6]``). A field left out keeps its default.
 
     Raises:
-        TypeError, ValueError: a value that is not such a mapping, an unknown field, an unknown prefill policy or a
-            value `EntropyConfig` refuses; the message starts with ``where`` (what the caller calls the value).
+        TypeError, ValueError: a value that is not such a mapping, an unknown field, an unknown prefill policy, a
+            knob that policy does not have or a value `EntropyConfig` or the policy refuses; the message starts with
+            ``where`` (what the caller calls the value).
     """
     if value is None:
         return Settings(EntropyConfig(), "entropy", {})
@@ -91,8 +92,13 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; expected EntropyConfig's fields {sorted(names)}, "
                          f"'prefill' or '{KNOBS_KEY}'")
+    wrong = unknown_knobs("prefill", prefill, knobs, prefill_knob_names(prefill))
+    if wrong:
+        raise ValueError(f"{where}['{KNOBS_KEY}']: {wrong} (EntropyConfig's fields go beside 'prefill', not in "
+                         f"'{KNOBS_KEY}')")
     try:
         config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        make_prefill(prefill, config, **knobs)   # the knobs' values, checked here rather than at the first forward
     except (TypeError, ValueError) as err:
         raise type(err)(f"{where}: {err}") from None
     return Settings(config, prefill, dict(knobs))

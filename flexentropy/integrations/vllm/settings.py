@@ -47,11 +47,13 @@ def plugin_config(additional_config: object) -> EntropyConfig | None:
     if entry is None:
         return None
     where = f"additional_config[{CONFIG_KEY!r}]"
+    only = (f"is not supported under vLLM: the plugin runs the {PREFILL_POLICY!r} prefill at EntropyConfig's fields "
+            f"only (leave 'prefill' and {KNOBS_KEY!r} out)")
+    if isinstance(entry, Mapping) and entry.get(KNOBS_KEY):   # before the reader judges them as a policy's knobs
+        raise ValueError(f"{where}: {KNOBS_KEY!r} {only}")
     settings = parse_settings(entry, where)
-    if settings.prefill != PREFILL_POLICY or settings.knobs:
-        named = f"prefill={settings.prefill!r}" if settings.prefill != PREFILL_POLICY else f"{KNOBS_KEY!r}"
-        raise ValueError(f"{where}: {named} is not supported under vLLM: the plugin runs the {PREFILL_POLICY!r} "
-                         f"prefill at EntropyConfig's fields only (leave 'prefill' and {KNOBS_KEY!r} out)")
+    if settings.prefill != PREFILL_POLICY:
+        raise ValueError(f"{where}: prefill={settings.prefill!r} {only}")
     decode = sorted(name for name in DECODE_FIELDS if getattr(settings.config, name) != getattr(DEFAULTS, name))
     if decode:
         raise ValueError(f"{where}: {decode} configure flexentropy's KV-cache eviction, which does not run under "

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int, is_int
+from flexentropy._checks import check_bool, check_int, is_int
 from flexentropy.engine.driver import step_driver
 from flexentropy.engine.loops import decode_settings, served_config
 
@@ -54,6 +54,7 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
 
     max_new_tokens = check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
     rows = check_int("generate_batch", "rows", rows, 1)
+    check_bool("generate_batch", "compiled", compiled, optional=True)
     for index, ids in enumerate(prompts):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.numel() == 0:
             got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__

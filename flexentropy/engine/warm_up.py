@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int
+from flexentropy._checks import check_bool, check_int
 from flexentropy.engine.loops import greedy_generate, served_config
 
 FLASH_KERNEL_CACHE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -109,6 +109,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
         start = config.dense_prefix + config.segment_size
         lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)
     batch_size = check_int("warm_up", "batch_size", batch_size, 1)
+    check_bool("warm_up", "loop", loop)
     lengths = [check_int("warm_up", "length", length, 1) for length in lengths]
     if new_tokens is None:
         new_tokens = config.decode_delay + (config.recompress_every or 0) + 2

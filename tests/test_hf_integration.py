@@ -32,7 +32,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from flexentropy import EntropyConfig, greedy_generate
+from flexentropy import EntropyConfig, generate_batch, greedy_generate, warm_up
 from flexentropy import chunk_mlp as fe_chunk_mlp
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache, keywords, make_cache
 from flexentropy.integrations import hf
@@ -473,6 +473,58 @@ def test_enable_rejects_what_it_cannot_run() -> None:
     with pytest.raises(TypeError, match=r"the model is torch.float64: load it in one of those"):
         enable(ARCHS["llama"]().double())
     enable(ARCHS["llama"]().double(), prefill="dense")  # SDPA prefill takes float64
+
+
+def test_an_enabled_model_on_meta_gives_the_shapes_of_its_outputs() -> None:
+    """Issue 77: a model built on the meta device (shapes without data, as before loading weights) and enabled got
+    dynamo's "Observed exception" from the sparse kernel, and its density ``Tensor.item() cannot be called on meta
+    tensors``: it runs as a dense one does on meta, prompt and decode step, and its density is unknown (NaN)."""
+    with torch.device("meta"):
+        model = enable(ARCHS["llama"]().eval(), SMALL)
+    cache = LatentKVCache(SMALL)
+    ids = torch.zeros(1, PROMPT, dtype=torch.long, device="meta")
+    assert model(ids, past_key_values=cache).logits.shape == (1, PROMPT, VOCAB)
+    assert model(ids[:, :1], past_key_values=cache).logits.shape == (1, 1, VOCAB)
+    assert math.isnan(prefill_density(model))
+
+
+def test_flags_of_enable_and_the_engine_take_bools() -> None:
+    """Issue 77: ``enable(model, keep_plans="no")`` kept the plans (a string is true), and the engine's flags took
+    any value for its truth: each refuses what is not a bool (None too where None picks the default)."""
+    model = ARCHS["llama"]().eval()
+    with pytest.raises(TypeError, match=r"enable.keep_plans must be a bool \(True or False\), got str 'no'"):
+        enable(model, SMALL, keep_plans="no")
+    assert model.config._attn_implementation == "sdpa"             # refused before the model was touched
+    enable(model, STATIC_SMALL)
+    ids = prompt(200)
+    calls = {
+        "greedy_generate.compiled must be a bool or None": lambda: greedy_generate(
+            model, ids, StaticLatentKVCache(STATIC_SMALL, model=model), 2, compiled="no"),
+        "generate_batch.compiled must be a bool or None": lambda: generate_batch(model, [ids[0]], 2, compiled="no"),
+        r"warm_up.loop must be a bool \(True or False\)": lambda: warm_up(model, [200], loop="no"),
+    }
+    for message, call in calls.items():
+        with pytest.raises(TypeError, match=f"{message}.*, got str 'no'"):
+            call()
+
+
+def test_the_helpers_name_the_argument_they_expect() -> None:
+    """Issue 77: ``prefill_density(None)``, ``cache_keyword(None)``, and `layer_state`, `local_heads` and
+    `attention_forward` given an ``nn.Linear`` raised AttributeErrors on what they read of it."""
+    linear = torch.nn.Linear(2, 2)
+    q = torch.zeros(1, 4, 3, 16)
+    module = r"an attention module of a transformers model \(e.g. model.model.layers\[0\].self_attn\), got Linear"
+    calls = [
+        (lambda: prefill_density(None), r"prefill_density expects model as a transformers model \(an nn.Module\), "
+                                        r"got NoneType \(it has no .named_modules\)"),
+        (lambda: hf.cache_keyword(None), r"cache_keyword expects model as a transformers model, got NoneType"),
+        (lambda: hf.layer_state(linear), rf"layer_state expects module as {module} \(it has no .config, .layer_idx\)"),
+        (lambda: hf.local_heads(linear), rf"local_heads expects module as {module} \(it has no .num_key_value_groups"),
+        (lambda: hf.attention_forward(linear, q, q[:, :2], q[:, :2], None), rf"layer_state expects module as {module}"),
+    ]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
 
 
 def test_enable_leaves_other_models_of_the_same_config_alone(tmp_path: object) -> None:

@@ -150,7 +150,7 @@ def test_make_cache_builds_a_policy_cache():
     # issue 69: named EntropyConfig.decode_budget and decode_window, not the knobs passed
     (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"^LatentPolicy.budget \(8\) must be >= window \(16\)"),
     (lambda: make_cache("latent", budget=10), r"^LatentPolicy.budget \(10\) must be >= window \(32\): the window's "),
-    (lambda: make_cache("latent", window=0), r"^LatentPolicy.window must be >= 1, got 0"),
+    (lambda: make_cache("latent", window=0), r"^LatentPolicy.window must be in \[1, 16777216\], got 0"),
     (lambda: make_cache("latent", delay=1.5), r"^LatentPolicy.delay must be an int, got float 1.5"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
     (lambda: make_prefill("critiprefill", observation="max"), r"CritiPrefill.observation must be one of"),

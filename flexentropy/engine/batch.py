@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int, is_int
+from flexentropy._checks import check_bool, check_int, is_int
 from flexentropy.config import check_config
 from flexentropy.engine.driver import step_driver
 from flexentropy.engine.loops import decode_settings, served_config
@@ -61,6 +61,7 @@ def generate_batch(model: Any, prompts: Iterable[torch.Tensor], max_new_tokens: 
         raise TypeError(f"generate_batch takes prompts as a list (or any iterable) of int64 token id tensors [N], got "
                         f"{got}: pass [ids] for one prompt, list(ids) for the rows of a [B, N] batch")
     prompts = list(prompts)
+    check_bool("generate_batch", "compiled", compiled, optional=True)
     for index, ids in enumerate(prompts):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.numel() == 0:
             got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__

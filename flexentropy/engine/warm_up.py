@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int, is_int
+from flexentropy._checks import check_bool, check_int, is_int
 from flexentropy.config import check_config
 from flexentropy.engine.loops import greedy_generate, served_config
 
@@ -127,6 +127,7 @@ def warm_up(model: Any, lengths: int | Iterable[int] | None = None, *, config: A
         raise TypeError(f"warm_up takes lengths as prompt lengths in tokens: a list of ints (e.g. [8192, 12345]) or "
                         f"one int, got {type(lengths).__name__} {lengths!r}")
     batch_size = check_int("warm_up", "batch_size", batch_size, 1)
+    check_bool("warm_up", "loop", loop)
     lengths = [check_int("warm_up", "length", length, 1) for length in lengths]
     if new_tokens is None:
         new_tokens = config.decode_delay + (config.recompress_every or 0) + 2

@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch._inductor.exc
 
-from flexentropy._checks import check_layer_idx, check_qk
+from flexentropy._checks import check_bool, check_layer_idx, check_qk
 from flexentropy._compile import keep_dynamic
 from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
 from flexentropy.prefill.budgets import MAX_SEGMENTS, fluctuation_budgets
@@ -235,7 +235,7 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig, rows: torch.Tensor, q_st
 
 
 def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, compiled: bool = False) -> torch.Tensor:
-    kernel = config.probe_kernel
+    kernel = config.probe_kernel and not q.is_meta   # meta tensors (shapes without data): flex has no meta form
     if kernel is None:   # auto: the kernel builds its BlockMask eagerly, so not inside an enclosing compiled graph
         kernel = q.is_cuda and not torch.compiler.is_compiling()
     return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,
@@ -319,6 +319,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
     check_qk(q, k, q_start=q_start)
     check_layer_idx(layer_idx)
     check_config(config)
+    check_bool("select_blocks", "compiled", compiled, optional=True)
     if q.shape[-2] == 0 or config.is_dense_layer(layer_idx, k.shape[-2]):
         return dense_plan(q, config, q_start)
     return plan_blocks(q, k, config, compiled=compiled)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexentropy._checks import check_layer_idx, check_qk, check_scale
+from flexentropy._checks import check_bool, check_layer_idx, check_qk, check_scale
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.prefill.selection import dense_plan, plan_blocks
 from flexentropy.sparse.kernel import run_plan
@@ -55,7 +55,7 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q_start: position of the first query, an int >= 0 (0: a whole prompt).
 
     Returns:
-        ``[B, Hq, M, D]`` in ``q.dtype``.
+        ``[B, Hq, M, D]`` in ``q.dtype`` (on meta tensors, which hold no data, an empty one of that shape).
 
     On CPU it is inference-only (flex attention has no CPU backward): inputs that require grad are refused while
     grad is enabled. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they run detached on every device,
@@ -65,13 +65,14 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_layer_idx(layer_idx)
     check_config(config)
     check_scale("sparse_prefill_attention", scale)
+    check_bool("sparse_prefill_attention", "compiled", compiled)
     if any(t.requires_grad for t in (q, k, v)):
         if torch.is_grad_enabled() and q.device.type == "cpu":
             raise ValueError("sparse_prefill_attention is inference-only on CPU (flex attention has no CPU "
                              "backward): call it under torch.no_grad() or torch.inference_mode()")
         if not torch.is_grad_enabled():   # no graph is built here; CPU flex refuses such inputs in any grad mode
             q, k, v = q.detach(), k.detach(), v.detach()
-    if q.shape[-2] == 0:
+    if q.shape[-2] == 0 or q.is_meta:     # no query, or meta tensors (shapes without data): the output's shape
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if plan is None:
         if config.is_dense_layer(layer_idx, k.shape[-2]):

@@ -350,7 +350,7 @@ def test_a_new_prompt_on_a_used_cache_says_to_reset_it() -> None:
     model, ids, other = model_for("llama", EVICTING), prompt(300), prompt(280, seed=5)
     cache = StaticLatentKVCache(EVICTING, model=model)
     greedy(model, ids, cache, 24, disable_compile=True)
-    with pytest.raises(ValueError, match="a new prompt on a used cache. Call cache.reset"):
+    with pytest.raises(ValueError, match=r"new prompt on a used cache: call cache.reset\(\)"):
         greedy(model, other, cache, 24, disable_compile=True)
     cache.reset()
     got = greedy(model, other, cache, 24, disable_compile=True)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "profiling"))
 
 import paths  # noqa: E402
 from paths import HFRunner, Path_, parse_path, summary, token_spans  # noqa: E402
+from test_eval import tiny_llama  # noqa: E402
 
 GEOMETRY = EntropyConfig(segment_size=256, block_size=64, dense_prefix=256)
 
@@ -40,16 +41,6 @@ class WordTokenizer:
 
     def batch_decode(self, batch: list[list[int]]) -> list[str]:
         return [self.decode(ids) for ids in batch]
-
-
-def tiny_llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
 
 
 def case_of(length: int = 2048, new: int = 6) -> dict[str, Any]:
@@ -132,17 +123,17 @@ def test_chunked_knobs_keep_more_than_the_chunks_alone(runner: HFRunner, monkeyp
 
 
 def test_summary_pairs_each_path_with_its_dense_baseline() -> None:
-    rows = [{"path": p, "id": f"t_8_{i}", "task": "t", "length": 8, "score": s, "density": d}
+    rows = [{"path": p, "id": f"t_8_{i}", "task": "t", "length": 8, "score": s, "density": d, "reply": str(s)}
             for p, d, scores in (("hf_dense", 1.0, (1, 1, 0)), ("hf_chunks@2048", 0.3, (1, 0, 1)),
                                  ("vllm_dense@16384", 1.0, (1, 1, 1)), ("vllm_plugin@16384", 0.2, (0, 1, 1)))
             for i, s in enumerate(scores)]
     text = summary(rows)
     chunks = next(line for line in text.splitlines() if "hf_chunks@2048" in line)
     plugin = next(line for line in text.splitlines() if "vllm_plugin@16384" in line)
-    assert "1-1 (n=3)" in chunks and "0.667" in chunks
-    assert "0-1 (n=3)" in plugin
+    assert "1-1 (n=3, 1 same reply)" in chunks and "0.667" in chunks
+    assert "0-1 (n=3, 2 same reply)" in plugin
     rows[3]["prompt_sha"], rows[0]["prompt_sha"] = "a", "b"          # another prompt under the same id: not paired
-    assert "1-1 (n=2)" in next(line for line in summary(rows).splitlines() if "hf_chunks@2048" in line)
+    assert "1-1 (n=2, 0 same reply)" in next(line for line in summary(rows).splitlines() if "hf_chunks@2048" in line)
 
 
 def test_attribution_follows_the_needle_blocks_through_each_path(runner: HFRunner) -> None:
@@ -158,8 +149,8 @@ def test_attribution_follows_the_needle_blocks_through_each_path(runner: HFRunne
     chunks = attribute(runner, Path_("hf_chunks", 512), case)
     [needle] = whole["needles"]
     assert needle["question_key"]["kept"] == needle["question_value"]["kept"] == 1.0
-    assert needle["later_value"]["kept"] < 1 and len(needle["later_value"]["by_layer"]) == 3
-    assert needle["later_value"]["pairs"] == 3 * 4 and list(needle["later_value"]["by_chunk"]) == ["0"]
+    assert needle["later_value"]["kept"] < 1 and len(needle["later_value"]["by_layer"]) == 2
+    assert needle["later_value"]["pairs"] == 2 * 4 and list(needle["later_value"]["by_chunk"]) == ["0"]
     def shares(record: dict[str, Any]) -> list[dict[str, Any]]:   # chunk 0 alone in hf_whole: by_chunk aside
         return [{k: {**v, "by_chunk": None} if isinstance(v, dict) else v for k, v in n.items()}
                 for n in record["needles"]]

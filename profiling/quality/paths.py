@@ -39,7 +39,8 @@ counters of the request), and ``kept_share``, computed / causal key blocks over 
 the rows there, so a run cut short (e.g. by ``timeout``, which takes the job's processes with it) resumes where it
 stopped. ``OUT/summary.md``: per task, length and path, the mean and its 95% Wilson interval (fractional
 scores: approximate), and the paired counts better-worse against the path's dense baseline (hf paths against
-``hf_dense``, the plugin against ``vllm_dense`` at the same chunk).
+``hf_dense``, the plugin against ``vllm_dense`` at the same chunk), with the replies that are the baseline's to the
+letter.
 """
 
 from __future__ import annotations
@@ -590,7 +591,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
         if "error" not in row:
             by.setdefault((row["task"], row["length"], row["path"]), {})[row["id"]] = row
     lines = ["| task | length | path | n | score [95% Wilson] | bound | density | kept share | vs dense "
-             "(better-worse) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(better-worse, same replies) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (task, length, label), got in sorted(by.items()):
         values = [r["score"] for r in got.values()]
         low, high = wilson_interval(sum(values), len(values))
@@ -602,7 +603,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
         common = [i for i, mine, theirs in shas if None in (mine, theirs) or mine == theirs] if (
             label != parse_path(label, 0).baseline) else []
         paired = (f"{sum(got[i]['score'] > base[i]['score'] for i in common)}-"
-                  f"{sum(got[i]['score'] < base[i]['score'] for i in common)} (n={len(common)})" if common else "")
+                  f"{sum(got[i]['score'] < base[i]['score'] for i in common)} (n={len(common)}, "
+                  f"{sum(got[i]['reply'] == base[i]['reply'] for i in common)} same reply)" if common else "")
 
         def mean(xs: list[float]) -> str:
             return f"{statistics.fmean(xs):.3f}" if xs else ""
@@ -610,6 +612,14 @@ def summary(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {task} | {length} | {label} | {len(values)} | {statistics.fmean(values):.3f} "
                      f"[{low:.2f}, {high:.2f}] | {mean(bound)} | {mean(density)} | {mean(kept)} | {paired} |")
     return "\n".join(lines)
+
+
+def write_summary(out: Path) -> int:
+    """Write and print ``OUT/summary.md`` (`summary` of ``OUT/rows.jsonl``)."""
+    text = summary(read_rows(rows_path(out)))
+    (out / "summary.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
 
 
 def jobs(a: argparse.Namespace) -> Iterator[tuple[Path_, int]]:
@@ -637,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--work", type=Path, default=Path("/tmp/flexentropy_paths"), help="vLLM's scratch folder")
     p.add_argument("--tiny", action="store_true", help=f"SmolLM2-135M, {TINY} (checks the harness)")
+    p.add_argument("--summary", action="store_true", help="only write OUT/summary.md from OUT/rows.jsonl")
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--job-length", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -648,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.job:
         run_job(a)
         return 0
+    if a.summary:
+        return write_summary(a.out)
     for text in a.paths:
         parse_path(text, a.chunk)   # refuse a bad --paths before any work
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # the job's process group goes too
@@ -662,9 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         code = run_process_group(command, environment(path, a) or dict(os.environ))
         if code:
             failed.append(f"{path.label} at {length} (exit {code})")
-    text = summary(read_rows(rows_path(a.out)))
-    (a.out / "summary.md").write_text(text + "\n", encoding="utf-8")
-    print(text)
+    write_summary(a.out)
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
     return 1 if failed else 0

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import platform
+import time
 import uuid
 import warnings
 from collections import Counter
@@ -85,8 +86,9 @@ from disk guards on their absence (torch 2.13 saves the guards without them), an
 its dynamic sizes already: a kept graph's guards are checked with them taken off (`KeptGraphs`)."""
 
 KEPT = Counter()
-"""What this process's kept compiled work did so far: graphs ``"loaded"`` from the folder, ``"compiled"`` and written
-there, calls ``"served"`` by a kept graph (one loaded or compiled here)."""
+"""What this process's kept compiled work did so far: graphs ``"loaded"`` from the folder (in ``"load_seconds"``),
+``"compiled"`` ahead of time (in ``"compile_seconds"``) and written there, calls ``"served"`` by a kept graph (one
+loaded or compiled here)."""
 
 _CHOSEN: list[Path] = []
 """The folder `keep_compiled` set for this process (before `COMPILED_DIR_VARIABLE`), if any."""
@@ -249,7 +251,7 @@ class KeptGraphs:
 
     def load(self, folder: Path) -> list[Any]:
         """The graphs kept in ``folder`` (each ``*.bin``), loaded; one that does not load is said so and skipped."""
-        graphs = []
+        graphs, start = [], time.perf_counter()
         for path in sorted(folder.glob("*.bin")):
             try:
                 with torch._guards.tracing(torch._guards.TracingContext(None)):   # a saved import guard needs one
@@ -260,12 +262,13 @@ class KeptGraphs:
                           "compiling instead")
             else:
                 KEPT["loaded"] += 1
+        KEPT["load_seconds"] += time.perf_counter() - start
         return graphs
 
     def compile(self, folder: Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn`` compiled ahead of time for ``args`` and ``kwargs``, written to ``folder``; None (said once) where
         it cannot be compiled ahead of time."""
-        aot = torch.compile(self.fn, **{**self.options, "fullgraph": True})
+        aot, start = torch.compile(self.fn, **{**self.options, "fullgraph": True}), time.perf_counter()
         try:   # a float argument (a softmax scale) is a constant of the graph, as dynamo makes it after a restart
             with torch._dynamo.config.patch(specialize_float=True):
                 graph = aot.aot_compile((args, kwargs))
@@ -275,6 +278,7 @@ class KeptGraphs:
                       f"{str(err).splitlines()[0] if str(err) else ''}); compiling it as usual, not kept")
             return None
         KEPT["compiled"] += 1
+        KEPT["compile_seconds"] += time.perf_counter() - start
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{uuid.uuid4().hex}.bin"

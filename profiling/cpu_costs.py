@@ -15,7 +15,8 @@ Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
   dir), a second with both kept, and a third with the compiled dir alone (an empty inductor cache dir). Each row
   lists the graphs dynamo compiled, the seconds each took, how the compilation's seconds split between dynamo's
   bytecode tracing and the backend, what the compiled dir did (graphs loaded, compiled and kept) and the tokens of
-  one greedy request after the warm-up (the same in every row).
+  one greedy request after the warm-up (the same in every row). ``--repeats N`` runs the two second processes (the
+  kept cache dir, the kept compiled dir) N times each, in turn.
 
 CPU figures: they rank the paths on the host, they are not GPU timings.
 """
@@ -164,12 +165,15 @@ WARM_UP_MODES = (("save", "a"), ("same_cache_dir", "a"), ("load", "b"), ("compil
                  ("compiled_dir_second", "c"), ("compiled_dir_only", "d"))
 """The processes of the ``warm_up`` part, in order: (mode, its inductor cache dir)."""
 
+SECOND_PROCESSES = (("same_cache_dir", "a"), ("compiled_dir_second", "c"))
+"""The second processes that ``--repeats`` runs again, in turn (the machine's load changes between them)."""
 
-def warm_up_rows(layers: int) -> list[dict]:
+
+def warm_up_rows(layers: int, repeats: int = 1) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = str(Path(tmp) / "artifacts.bin")
-        for mode, cache_dir in WARM_UP_MODES:
+        for mode, cache_dir in WARM_UP_MODES + SECOND_PROCESSES * (repeats - 1):
             child = run_child(__file__, ["--warm-up-child", mode, artifacts, "--layers", str(layers)],
                               Path(tmp) / cache_dir)
             kept = Path(tmp) / "compiled"
@@ -187,6 +191,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/cpu_costs.json")
     parser.add_argument("--tag", default="", help="label of the rows (e.g. the commit measured)")
     parser.add_argument("--layers", type=int, default=8, help="warm_up: the tiny Llama's layers")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="warm_up: processes of each second-process mode (kept cache dir, kept compiled dir)")
     parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_child:
@@ -194,7 +200,8 @@ def main() -> None:
         print(json.dumps({**once, "graphs": compiled_graphs(), "phases": compile_phases(),
                           "traced": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
         return
-    parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": lambda: warm_up_rows(args.layers)}
+    parts = {"prepare": prepare_rows, "observation": observation_rows,
+             "warm_up": lambda: warm_up_rows(args.layers, args.repeats)}
     path = Path(args.out)
     payload = json.loads(path.read_text()) if path.is_file() else {"benchmark": "cpu_costs", "rows": []}
     for part in args.parts.split(","):

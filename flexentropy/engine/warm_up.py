@@ -58,10 +58,11 @@ def load_artifacts(path: Path) -> None:
                       f"the file anew", stacklevel=3)
 
 
-def compiled_work() -> dict[str, int]:
+def compiled_work() -> dict[str, float]:
     """What this process did so far with the compiled work kept in a folder (`warm_up`'s ``compiled_dir``, or the
-    folder of `COMPILED_DIR_VARIABLE`): graphs ``"loaded"`` from it, ``"compiled"`` ahead of time and written to it,
-    and calls ``"served"`` by those graphs (an empty dict: none kept)."""
+    folder of `COMPILED_DIR_VARIABLE`): graphs ``"loaded"`` from it (in ``"load_seconds"``), ``"compiled"`` ahead
+    of time (in ``"compile_seconds"``) and written to it, and calls ``"served"`` by those graphs (an empty dict: none
+    kept)."""
     return dict(KEPT)
 
 

@@ -1,4 +1,4 @@
-"""Which key blocks around each needle the transformers paths of `paths.py` keep (issue 72, item 2).
+"""Which key blocks around each needle the sparse paths of `paths.py` keep (issue 72, item 2).
 
     python profiling/quality/attribution.py --out docs/results/quality/paths_1.5b --model qwen2.5-coder-1.5b \\
         --cases niah_multiquery3_lines_131072_0 niah_multiquery3_lines_131072_1 \\
@@ -8,8 +8,12 @@
 Reads the cases of a `paths.py` folder (``OUT/cases.jsonl``: the needles' key words and values in tokens, where the
 question starts) and runs each ``--paths`` (transformers paths and ``hf_chunks`` knobs, in this process) on each case,
 generating its reply as `paths.py` does, while it records every plan: ``hf_whole``'s per layer, ``hf_chunks``' per
-chunk and layer. Per needle, two blocks of keys are followed, the block holding its key word and the one(s) holding
-its value (a reply may put the right value under a wrong key), through two sets of query rows (rows of 128 tokens):
+chunk and layer. ``--paths vllm_plugin`` (alone: the engine takes the GPU's memory) runs the plugin inside vLLM
+instead and records the plans its engine's worker makes, per chunk and layer (`record_plans`, through vLLM's
+``collective_rpc``), as it generates the reply.
+
+Per needle, two blocks of keys are followed, the block holding its key word and the one(s) holding its value (a reply
+may put the right value under a wrong key), through two sets of query rows (rows of 128 tokens):
 
 * ``question``: the rows holding the question and the answer prefix (from ``question_start`` on);
 * ``later``: the rows of the segments after the needle's own, up to the question's rows (the context read after
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,21 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "profiling" / "quality"))
 
 import torch  # noqa: E402
-from paths import Path_, cases_path, load_hf, parse_path, read_rows, rows_path, score_reply  # noqa: E402
+from paths import (  # noqa: E402
+    Path_,
+    cases_path,
+    entropy_fields,
+    environment,
+    generate_vllm,
+    load_hf,
+    load_vllm,
+    parse_path,
+    read_rows,
+    rows_path,
+    score_reply,
+)
+
+from flexentropy import EntropyConfig  # noqa: E402
 
 Q_ROWS = 128
 """Query rows per block of a plan (`flexentropy.config.Q_BLOCK_SIZE`)."""
@@ -108,6 +127,46 @@ def attribute(runner: Any, path: Path_, case: dict[str, Any]) -> dict[str, Any]:
             "chunks": len(recorder.chunk_of), "needles": needles}
 
 
+def record_plans(worker: Any, recorder: NeedleRecorder | None) -> None:
+    """In vLLM's worker: hand every plan the plugin makes to ``recorder`` (None: stop recording), in place of
+    `flexentropy.integrations.vllm.backends`' ``select_blocks`` (a lab hook: the module's global, wrapped)."""
+    from flexentropy.integrations.vllm import backends
+
+    plain = getattr(backends.select_blocks, "__wrapped__", backends.select_blocks)
+    if recorder is None:
+        backends.select_blocks = plain
+        return
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        plan = plain(*args, **kwargs)
+        recorder(kwargs.get("layer_idx", args[3] if len(args) > 3 else None), plan)
+        return plan
+
+    recorded.__wrapped__ = plain   # type: ignore[attr-defined]
+    recorded.recorder = recorder   # type: ignore[attr-defined]
+    backends.select_blocks = recorded
+
+
+def recorded_plans(worker: Any) -> NeedleRecorder:
+    """In vLLM's worker: the recorder `record_plans` installed, with what it collected; recording stops."""
+    from flexentropy.integrations.vllm import backends
+
+    recorder = backends.select_blocks.recorder
+    record_plans(worker, None)
+    return recorder
+
+
+def attribute_vllm(llm: Any, path: Path_, case: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`attribute` for the plugin inside vLLM: ``case`` through ``llm`` (`paths.generate_vllm`) with the plans of
+    its engine's worker recorded."""
+    llm.collective_rpc(record_plans, args=(NeedleRecorder(case, config.block_size),))
+    reply, _, measures = generate_vllm(llm, path, case)
+    recorder = llm.collective_rpc(recorded_plans)[0]
+    needles = [recorder.needle(n, config.block_size, config.segment_size) for n in case["needles"] if n["fact_tokens"]]
+    return {"path": path.label, "id": case["id"], "reply": reply, **score_reply(case, reply),
+            "plugin_density": measures["density"], "chunks": len(recorder.chunk_of), "needles": needles}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Per case, path and needle: kept shares of the key and value blocks by the question's rows and the later
     rows, with the (layer, head) pairs losing each."""
@@ -116,7 +175,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(f"{row['id']} {row['path']}: score {row['score']:.2f}"
                      + (f", bound {row['bound']:.2f}" if "bound" in row else "")
-                     + f", kept share {row.get('kept_share', 1):.3f}; reply {row['reply'].strip()[:60]!r}")
+                     + (f", kept share {row['kept_share']:.3f}" if "kept_share" in row
+                        else f", the plugin's density {row['plugin_density']:.3f}")
+                     + f"; reply {row['reply'].strip()[:60]!r}")
         for n in row["needles"]:
             cells = []
             for name in ("question_key", "question_value", "later_key", "later_value"):
@@ -151,11 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--tiny", action="store_true", help="paths.py's --tiny geometry (SmolLM2 cases)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm_plugin's engine (paths.py's)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/flexentropy_paths"), help="vLLM's scratch folder")
     p.add_argument("--json", type=Path, required=True, help="where the records go (rewritten)")
     a = p.parse_args(argv)
     paths = [parse_path(t, a.chunk) for t in a.paths]
-    if any(path.vllm or path.kind == "hf_dense" for path in paths):
-        p.error("attribution follows the plans of hf_whole and hf_chunks (with knobs) only")
+    if any(path.kind in ("hf_dense", "vllm_dense") for path in paths):
+        p.error("attribution follows plans: hf_whole, hf_chunks (with knobs) or vllm_plugin, not a dense path")
+    plugin = [path for path in paths if path.vllm]
+    if plugin and len(paths) > 1:
+        p.error("vllm_plugin runs alone (its engine takes the GPU's memory): run the transformers paths in another "
+                "call with the same --json folder's cases")
     cases = {c["id"]: c for c in read_rows(cases_path(a.out, a.cases_file))}
     if a.worse:
         a.cases += [i for i in worse_cases(a.out, parse_path(a.worse, a.chunk)) if i not in a.cases][: a.max_worse]
@@ -167,13 +234,19 @@ def main(argv: list[str] | None = None) -> int:
                 "--model, --tasks, --lengths and --samples)")
     rows: list[dict[str, Any]] = []
     runners: dict[int, Any] = {}
+    if plugin:
+        os.environ.update(environment(plugin[0], a) or {})   # before vLLM is imported: its plugins, its workers
     for case_id in a.cases:
         case = cases[case_id]
         length = case["length"]
         if length not in runners:
-            runners = {length: load_hf(a, length)}
+            runners.clear()   # one model or engine at a time
+            runners[length] = load_vllm(a, plugin[0], length, a.out) if plugin else load_hf(a, length)
         for path in paths:
-            rows.append(attribute(runners[length], path, case))
+            if plugin:
+                rows.append(attribute_vllm(runners[length], path, case, EntropyConfig(**entropy_fields(a))))
+            else:
+                rows.append(attribute(runners[length], path, case))
             print(table(rows[-1:]), flush=True)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:], "rows": rows}, indent=1) + "\n",

@@ -516,10 +516,10 @@ def write_row(out: Path, path: Path_, case: dict[str, Any], reply: str, seconds:
 # vLLM
 
 
-def run_vllm_job(a: argparse.Namespace, path: Path_, length: int, cases: list[dict[str, Any]], out: Path) -> None:
-    """``path`` (a vLLM path) on ``cases`` in one engine: one request per ``generate``, the counters reset before."""
-    from vllm import SamplingParams
-    from vllm_serving import Job, counters, make_llm, model_folder, rope_overrides, worker_reset
+def load_vllm(a: argparse.Namespace, path: Path_, length: int, out: Path) -> Any:
+    """The engine of ``path`` (a vLLM path) for prompts of ``length`` tokens: vLLM's own backend or the plugin with
+    the sparse paths' config, chunked at ``path.chunk`` (checked against what the engine took)."""
+    from vllm_serving import Job, make_llm, model_folder, rope_overrides
 
     side = "flexentropy" if path.kind == "vllm_plugin" else "vllm"
     config = json.dumps(entropy_fields(a)) if entropy_fields(a) else None
@@ -532,16 +532,29 @@ def run_vllm_job(a: argparse.Namespace, path: Path_, length: int, cases: list[di
     chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     if chunk != path.chunk:
         raise RuntimeError(f"vLLM chunks at {chunk} tokens, not the {path.chunk} asked")
+    return llm
+
+
+def generate_vllm(llm: Any, path: Path_, case: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """``case`` through ``llm`` as one request, the plugin's counters reset before: ``(reply, seconds, measures)``."""
+    from vllm import SamplingParams
+    from vllm_serving import counters, worker_reset
+
+    llm.collective_rpc(worker_reset)
+    params = SamplingParams(max_tokens=case["max_new_tokens"], temperature=0)
+    start = time.perf_counter()
+    output = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - start
+    stats = counters(llm) if path.kind == "vllm_plugin" else None
+    return output.outputs[0].text, seconds, {"density": stats["mean_density"] if stats else 1.0, "counters": stats,
+                                             "cached_tokens": getattr(output, "num_cached_tokens", None)}
+
+
+def run_vllm_job(a: argparse.Namespace, path: Path_, length: int, cases: list[dict[str, Any]], out: Path) -> None:
+    """``path`` (a vLLM path) on ``cases`` in one engine: one request per ``generate``, the counters reset before."""
+    llm = load_vllm(a, path, length, out)
     for case in cases:
-        llm.collective_rpc(worker_reset)
-        params = SamplingParams(max_tokens=case["max_new_tokens"], temperature=0)
-        start = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": case["prompt_ids"]}], params, use_tqdm=False)[0]
-        seconds = time.perf_counter() - start
-        stats = counters(llm) if side == "flexentropy" else None
-        write_row(out, path, case, output.outputs[0].text, seconds,
-                  {"density": stats["mean_density"] if stats else 1.0, "counters": stats,
-                   "cached_tokens": getattr(output, "num_cached_tokens", None)})
+        write_row(out, path, case, *generate_vllm(llm, path, case))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 OBSERVATIONS = ("paper", "critiprefill", "probe", "pooled")
-"""The prefill observations (`EntropyConfig.observation`, `flexentropy.prefill.observation_attention`)."""
+"""The prefill observations (`EntropyConfig.observation`, `flexentropy.observation_attention`)."""
 MASS_OBSERVATIONS = ("probe", "pooled")
 """Observations whose row is the probes' attention mass over the candidate blocks, not a distribution over them."""
 

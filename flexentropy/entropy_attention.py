@@ -17,7 +17,7 @@ from torch import nn
 from flexentropy._checks import check_layer_idx, is_int, plain
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.decode_attention import decode_attention
-from flexentropy.prefill import sparse_prefill_attention
+from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
 
 
 class KVCache(Protocol):

@@ -40,8 +40,8 @@ from common import attention_inputs, environment, time_ms, write_json  # noqa: E
 
 from flexentropy import EntropyConfig  # noqa: E402
 from flexentropy.policies import PrefillPolicy, make_prefill  # noqa: E402
+from flexentropy.policies.prefill.entropy.sparse_prefill import dense_causal_attention  # noqa: E402
 from flexentropy.policies.prefill.vertical_slash import token_density  # noqa: E402
-from flexentropy.prefill.sparse_prefill import dense_causal_attention  # noqa: E402
 from flexentropy.sparse.kernel import run_plan  # noqa: E402
 from flexentropy.sparse.plan import SparsePlan, causal_blocks  # noqa: E402
 

@@ -35,11 +35,11 @@ from common import (  # noqa: E402
 )
 
 import flexentropy as fe  # noqa: E402
-from flexentropy.prefill import probe_mass  # noqa: E402
-from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
-from flexentropy.prefill.entropies import segment_entropy  # noqa: E402
-from flexentropy.prefill.observation import candidate_blocks, observation_attention  # noqa: E402
-from flexentropy.prefill.selection import block_table  # noqa: E402
+from flexentropy import observation_attention  # noqa: E402
+from flexentropy.policies.prefill.entropy import probe_mass  # noqa: E402
+from flexentropy.policies.prefill.entropy.budgets import allocate_budgets  # noqa: E402
+from flexentropy.policies.prefill.entropy.entropies import segment_entropy  # noqa: E402
+from flexentropy.policies.prefill.fixed import block_table, candidate_blocks  # noqa: E402
 from flexentropy.sparse.kernel import kernel_options, run_plan  # noqa: E402
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Written to be read against the paper and docs/design.md line by line, not to be fast: explicit Python loops over batch,
 heads, segments and blocks, float64 by default, full ``N x N`` masks (small ``N`` only), no FlexAttention.
-It shares nothing with ``flexentropy.prefill`` except :class:`flexentropy.config.EntropyConfig`.
+It shares nothing with ``flexentropy.policies.prefill`` except :class:`flexentropy.config.EntropyConfig`.
 
 Notation (docs/design.md, notation): ``q`` is ``[B, Hq, N, D]``, ``k``/``v`` are ``[B, Hkv, N, D]``, ``G = Hq // Hkv``
 and

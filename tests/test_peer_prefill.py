@@ -22,8 +22,9 @@ from bench.eval import resolve
 from flexentropy import EntropyConfig
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies import FlexPrefill, VerticalSlash, XAttention, make_prefill
+from flexentropy.policies.prefill.fixed import fixed_blocks
+from flexentropy.policies.prefill.ranking import mass_cover
 from flexentropy.policies.prefill.vertical_slash import token_density
-from flexentropy.prefill.selection import fixed_blocks, mass_cover
 from flexentropy.sparse.plan import causal_blocks
 from reference import peers
 from reference import policies as ref

@@ -398,7 +398,7 @@ def test_compiled_selection_equals_eager_across_lengths_without_recompiles() -> 
 
 
 def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flexentropy.prefill.selection as selection
+    import flexentropy.policies.prefill.entropy.selection as selection
 
     def broken(*args: object, **kwargs: object) -> None:
         raise torch._inductor.exc.InductorError(RuntimeError("codegen failed"), None)
@@ -435,7 +435,7 @@ def test_cpu_autograd_gets_a_clear_error() -> None:
 def test_probe_kernel_knob_selects_the_same_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``probe_kernel=True`` routes the probe through `probe_mass_kernel` (eager flex off CUDA): same masses to float
     rounding, so the same plan here. The default (``None``, auto) takes the scored path on CPU."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     calls = []
     kernel_fn = probe_mass.probe_mass_kernel
@@ -473,7 +473,7 @@ def test_coverage_pair_budgets_are_the_reference_and_the_single_value_at_its_end
     """The budgets of the pair are the float64 reference's at every length, and those of the single value at the
     two ends (0.8 at 32k, 0.6 at 128k), on observation rows at the lengths the pair changes over."""
     from flexentropy.config import coverage_at
-    from flexentropy.prefill.selection import coverage_budgets
+    from flexentropy.policies.prefill.entropy.selection import coverage_budgets
 
     pair = EntropyConfig(segment_size=1024, block_size=128)
     segments = blocks * 128 // pair.segment_size
@@ -495,7 +495,7 @@ def test_coverage_pair_compiles_once_across_the_lengths_it_changes_over() -> Non
     length serve lengths below, inside and above the 32k-128k ramp without a new graph, and match eager ones."""
     from torch._dynamo.utils import counters
 
-    from flexentropy.prefill.selection import coverage_budgets
+    from flexentropy.policies.prefill.entropy.selection import coverage_budgets
 
     cfg = EntropyConfig(segment_size=1024, block_size=128)
     compiled = torch.compile(coverage_budgets, dynamic=True, fullgraph=True)
@@ -508,3 +508,28 @@ def test_coverage_pair_compiles_once_across_the_lengths_it_changes_over() -> Non
         if i == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a new length compiled the coverage budgets again"
+
+
+def test_the_old_prefill_paths_still_import_with_a_warning_naming_the_new_place() -> None:
+    """``flexentropy.prefill`` (the entropy rule's stages before they moved beside the other rules) keeps every name
+    it had, each the moved object itself, with a ``DeprecationWarning`` that says where to import it from."""
+    import importlib
+
+    import flexentropy as fe
+    from flexentropy.policies.prefill import fixed, ranking
+    from flexentropy.policies.prefill.entropy import selection
+
+    for module, name, new, obj in [
+        ("flexentropy.prefill", "select_blocks", "flexentropy", fe.select_blocks),
+        ("flexentropy.prefill", "SparsePlan", "flexentropy", fe.SparsePlan),
+        ("flexentropy.prefill.selection", "mass_cover", "flexentropy.policies.prefill.ranking", ranking.mass_cover),
+        ("flexentropy.prefill.selection", "fixed_blocks", "flexentropy.policies.prefill.fixed", fixed.fixed_blocks),
+        ("flexentropy.prefill.selection", "plan_blocks", "flexentropy.policies.prefill.entropy.selection",
+         selection.plan_blocks),
+        ("flexentropy.prefill.observation", "candidate_blocks", "flexentropy.policies.prefill.fixed",
+         fixed.candidate_blocks),
+    ]:
+        with pytest.warns(DeprecationWarning, match=f"{module}.{name} has moved: import it from {new} "):
+            assert getattr(importlib.import_module(module), name) is obj
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        _ = importlib.import_module("flexentropy.prefill.selection").nothing

@@ -47,8 +47,8 @@ from bench.eval.metrics import string_match_all
 from bench.eval.resolve import apply_prefill, make_prefill_policy
 from bench.eval.runner import Loaded
 from bench.eval.tasks import make_sample, sample_ids
+from flexentropy import observation_attention
 from flexentropy.config import EntropyConfig
-from flexentropy.prefill.observation import observation_attention
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 REGIONS = ("none", "all", "question", "after_needle", "before_needle")

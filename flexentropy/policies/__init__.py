@@ -31,7 +31,7 @@ from flexentropy.policies.cache.streamingllm import StreamingLLM
 from flexentropy.policies.layer_view import LayerView
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
-from flexentropy.policies.prefill.entropy import EntropyPaperPrefill, EntropyPrefill
+from flexentropy.policies.prefill.entropy.policy import EntropyPaperPrefill, EntropyPrefill
 from flexentropy.policies.prefill.flexprefill import FlexPrefill
 from flexentropy.policies.prefill.streaming import StreamingPrefill
 from flexentropy.policies.prefill.vertical_slash import VerticalSlash

@@ -27,8 +27,8 @@ from flexentropy._checks import check_layer_idx, check_qk, plain_fields
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.layer_view import LayerView
-from flexentropy.prefill.selection import dense_plan
-from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies.prefill.fixed import dense_plan
 from flexentropy.sparse.plan import SparsePlan
 
 # --------------------------------------------------------------------------------------------------------------

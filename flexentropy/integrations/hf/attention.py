@@ -27,7 +27,8 @@ from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_buffers import step_attention
 from flexentropy.integrations.hf.layer_state import LayerState, layer_state
 from flexentropy.integrations.hf.mask import real_tokens
-from flexentropy.prefill import SparsePlan, sparse_prefill_attention
+from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

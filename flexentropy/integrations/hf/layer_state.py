@@ -17,8 +17,8 @@ from torch import nn
 
 from flexentropy.config import EntropyConfig
 from flexentropy.policies import PrefillPolicy, make_prefill
-from flexentropy.prefill import SparsePlan
 from flexentropy.settings import CONFIG_ATTR, Settings, parse_settings
+from flexentropy.sparse.plan import SparsePlan
 
 STATE_ATTR = "flexentropy_state"
 """Attribute of each attention module holding its `LayerState`."""

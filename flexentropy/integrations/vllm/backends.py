@@ -44,8 +44,8 @@ from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, 
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
 from flexentropy.integrations.vllm.warm_up import warm_up_chunks
-from flexentropy.prefill.selection import select_blocks
-from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies.prefill.entropy.selection import select_blocks
+from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
 from flexentropy.sparse.plan import SparsePlan
 
 

@@ -16,7 +16,7 @@ import torch
 
 from flexentropy.config import OBSERVATIONS
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import plan_blocks
+from flexentropy.policies.prefill.entropy.selection import plan_blocks
 from flexentropy.sparse.plan import SparsePlan
 
 EVERY_HEAD_RIGID = 1e30

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import dense_plan
+from flexentropy.policies.prefill.fixed import dense_plan
 from flexentropy.sparse.plan import SparsePlan
 
 

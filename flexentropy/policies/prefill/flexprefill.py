@@ -14,8 +14,9 @@ from einops import rearrange
 from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.peer_estimates import block_means, block_sums, compute_dtype, last_queries_attention
-from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table, top_k_mask
+from flexentropy.policies.prefill.estimates import block_means, block_sums, compute_dtype, last_queries_attention
+from flexentropy.policies.prefill.fixed import fixed_blocks, query_block_table
+from flexentropy.policies.prefill.ranking import mass_cover, top_k_mask
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 

@@ -9,7 +9,7 @@ import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import block_table
+from flexentropy.policies.prefill.fixed import block_table
 from flexentropy.sparse.plan import SparsePlan
 
 

@@ -10,8 +10,9 @@ import torch
 from flexentropy._checks import check_int
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.peer_estimates import block_sums, last_queries_attention
-from flexentropy.prefill.selection import query_block_table, top_k_mask
+from flexentropy.policies.prefill.estimates import block_sums, last_queries_attention
+from flexentropy.policies.prefill.fixed import query_block_table
+from flexentropy.policies.prefill.ranking import top_k_mask
 from flexentropy.sparse.plan import SparsePlan
 
 LAST_QUERIES = 64

@@ -12,8 +12,9 @@ from einops import rearrange
 from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.peer_estimates import compute_dtype
-from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table
+from flexentropy.policies.prefill.estimates import compute_dtype
+from flexentropy.policies.prefill.fixed import fixed_blocks, query_block_table
+from flexentropy.policies.prefill.ranking import mass_cover
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 CHUNK_SCORES = 2**28

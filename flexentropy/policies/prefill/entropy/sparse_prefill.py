@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from flexentropy._checks import check_layer_idx, check_qk, check_scale
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.prefill.selection import dense_plan, plan_blocks
+from flexentropy.policies.prefill.entropy.selection import plan_blocks
+from flexentropy.policies.prefill.fixed import dense_plan
 from flexentropy.sparse.kernel import run_plan
 from flexentropy.sparse.plan import SparsePlan
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import plan_blocks
+from flexentropy.policies.prefill.entropy.selection import plan_blocks
 from flexentropy.sparse.plan import SparsePlan
 
 

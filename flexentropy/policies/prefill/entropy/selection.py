@@ -16,150 +16,13 @@ import torch._inductor.exc
 from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import keep_dynamic
 from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
-from flexentropy.prefill.budgets import MAX_SEGMENTS, fluctuation_budgets
-from flexentropy.prefill.entropies import rigid_heads, segment_entropy
-from flexentropy.prefill.observation import _observation, candidate_blocks, chunk_segments
+from flexentropy.policies.prefill.entropy.budgets import MAX_SEGMENTS, fluctuation_budgets
+from flexentropy.policies.prefill.entropy.entropies import rigid_heads, segment_entropy
+from flexentropy.policies.prefill.entropy.observation import _observation
+from flexentropy.policies.prefill.fixed import Span, block_table, dense_plan, segment_candidates
+from flexentropy.policies.prefill.ranking import mass_cover
 from flexentropy.sparse.kernel import compiled_region, pad_rows
-from flexentropy.sparse.plan import SparsePlan, causal_blocks, causal_rows, query_blocks
-
-Span = int | torch.Tensor
-"""A position or a length: a Python int, or (in a compiled graph, where an int would be a guard) a 0-d tensor."""
-
-
-def forced_blocks(candidates: torch.Tensor, segments: torch.Tensor, sink_blocks: int, local_blocks: int,
-                  blocks_per_segment: int) -> torch.Tensor:
-    """Candidates every segment keeps regardless of score: the first ``sink_blocks`` and the ``local_blocks``
-    just before the segment. ``candidates`` bool ``[S, C_B]`` of the segments ``segments`` (int64 ``[S]``);
-    bool ``[S, C_B]``."""
-    j = torch.arange(candidates.shape[-1], device=candidates.device)
-    local = j[None, :] >= (segments * blocks_per_segment - local_blocks)[:, None]
-    return candidates & ((j < sink_blocks)[None, :] | local)
-
-
-def segment_is_dense(segments: torch.Tensor, config: EntropyConfig, seq_len: Span, q_start: Span) -> torch.Tensor:
-    """Which of the segments ``segments`` (int64 ``[S]``) attend to every earlier key, for the queries ``q_start ..
-    seq_len - 1``: those starting before ``dense_prefix``; one that starts before ``q_start`` (a chunk holds only
-    part of it, and its probes are in the previous chunk); when ``dense_last_segment``, those holding any of the last
-    ``segment_size`` tokens (the last segment, and the one before it when the last is partial: a question that
-    straddles a segment boundary stays dense; for a chunk, its own last tokens, since the last chunk's are the
-    prompt's). bool ``[S]``."""
-    size = config.segment_size
-    start = segments * size
-    dense = (start < config.dense_prefix) | (start < q_start)
-    if config.dense_last_segment:
-        dense = dense | (start + size > seq_len - size)
-    return dense
-
-
-def dense_segments(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None, *,
-                   q_start: int = 0) -> torch.Tensor:
-    """`segment_is_dense` of the segments holding the queries ``q_start .. seq_len - 1`` (all of a whole prompt's).
-    bool ``[C_S]``."""
-    first = q_start // config.segment_size
-    segments = chunk_segments(-(-seq_len // config.segment_size) - first, first, device)
-    return segment_is_dense(segments, config, seq_len, q_start)
-
-
-def _descending_rank(scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rank, ordered)``: each entry's place in its row sorted by descending score, eligible entries first and
-    ties to the lower index, and the sorted scores (``-1`` for ineligible entries). ``scores`` non-negative."""
-    ranked = scores.masked_fill(~eligible, -1.0)
-    ordered, order = torch.sort(ranked, dim=-1, descending=True, stable=True)
-    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, positions), ordered
-
-
-def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The ``k[...]`` highest ``scores`` among ``eligible`` entries of each row, ties to the lower index.
-
-    Args:
-        scores: ``[..., C]`` non-negative. eligible: bool broadcastable to ``scores``.
-        k: int ``[...]``, at most the number of eligible entries per row (rows may differ).
-
-    Returns:
-        bool ``[..., C]``.
-    """
-    rank, _ = _descending_rank(scores, eligible.expand_as(scores))
-    return rank < k[..., None]
-
-
-def mass_cover(scores: torch.Tensor, free: torch.Tensor, forced: torch.Tensor, fraction: float | torch.Tensor,
-               total: float | None = None) -> torch.Tensor:
-    """The smallest set of ``free`` entries of each row that, added to the ``forced`` ones, holds at least
-    ``fraction`` of the row's mass: free entries best first (ties to the lower index) until the kept mass reaches
-    ``fraction * sum(row)`` (FlexPrefill's and XAttention's "cumulative attention reaches gamma / threshold").
-    With ``total``, the row is part of a whole of that mass whose rest (``total - sum(row)``) is kept anyway: the
-    kept mass, that rest included, must reach ``fraction * total``.
-
-    ``fraction >= 1`` keeps every free entry (exactly, whatever the rounding of the sums).
-
-    Args:
-        scores: ``[..., C]`` non-negative estimated mass, 0 outside the row's support (its sum is the total).
-        free: bool ``[..., C]`` (broadcastable) entries that may be chosen.
-        forced: bool ``[..., C]`` (broadcastable) entries kept anyway, disjoint from ``free``; their mass counts.
-        fraction: in ``[0, 1]``: a float, or a tensor broadcastable to the rows.
-
-    Returns:
-        bool ``[..., C]``: the chosen free entries (forced ones not included).
-    """
-    free = free.expand_as(scores)
-    rank, ordered = _descending_rank(scores, free)
-    if not isinstance(fraction, torch.Tensor) and fraction >= 1:
-        count = free.sum(dim=-1)
-    else:
-        row = scores.sum(dim=-1)
-        whole = row if total is None else torch.full_like(row, total)
-        need = fraction * whole - (whole - row) - (scores * forced).sum(dim=-1)
-        mass = ordered.clamp_min(0)
-        before = torch.cumsum(mass, dim=-1) - mass                  # mass of the better free entries
-        count = ((before < need[..., None]) & (ordered >= 0)).sum(dim=-1)
-        if isinstance(fraction, torch.Tensor):
-            count = torch.where(fraction >= 1, free.sum(dim=-1), count)
-    return rank < count[..., None]
-
-
-def fixed_rows(rows: torch.Tensor, config: EntropyConfig, seq_len: Span, q_start: Span,
-               num_blocks: int) -> torch.Tensor:
-    """`fixed_blocks` of the query blocks ``rows`` (int64 ``[C_Q]``, `query_blocks`) of the queries ``q_start ..
-    seq_len - 1`` over ``num_blocks`` key blocks. bool ``[C_Q, C_B]``."""
-    per_segment = config.segment_size // config.block_size
-    segments = rows * Q_BLOCK_SIZE // config.segment_size                          # [C_Q] each row's segment
-    candidates = candidate_blocks(segments, num_blocks, config.segment_size, config.block_size)
-    forced = forced_blocks(candidates, segments, config.sink_blocks, config.local_blocks, per_segment)
-    dense = segment_is_dense(segments, config, seq_len, q_start)
-    causal = causal_rows(rows, seq_len, num_blocks, config.block_size)
-    j = torch.arange(num_blocks, device=rows.device)
-    own = (j[None, :] >= (segments * per_segment)[:, None]) & causal
-    return forced | own | (dense[:, None] & causal)
-
-
-def fixed_blocks(seq_len: int, config: EntropyConfig, device: torch.device | str | None = None, *,
-                 q_start: int = 0) -> torch.Tensor:
-    """Blocks every query block attends to whatever a policy selects (design.md §1.5): its own segment causally, the
-    forced blocks of its segment (`forced_blocks`: sinks, ``local_blocks`` before it) and, in dense segments
-    (`segment_is_dense`), every causal block; for the rows of the queries ``q_start .. seq_len - 1``.
-    bool ``[C_Q, C_B]``."""
-    rows = query_blocks(seq_len, q_start, device)
-    return fixed_rows(rows, config, seq_len, q_start, -(-seq_len // config.block_size))
-
-
-def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
-    """Block table ``[B, Hq, C_Q, C_B]`` of a policy that selects per query block: its ``selected`` blocks (bool
-    ``[B, Hq, C_Q, C_B]``, trimmed to the causal ones) plus the `fixed_blocks` every policy shares."""
-    causal = causal_blocks(seq_len, config.block_size, selected.device)
-    return (selected & causal) | fixed_blocks(seq_len, config, selected.device)
-
-
-def _free_and_forced(a_obs: torch.Tensor, config: EntropyConfig,
-                     first_segment: Span = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(free, forced)`` bool ``[C_S, C_B]``: the candidates a segment may choose, and those it keeps anyway, for
-    the segments of ``a_obs [..., C_S, C_B]`` (those from ``first_segment``)."""
-    num_segments, num_blocks = a_obs.shape[-2:]
-    per_segment = config.segment_size // config.block_size
-    segments = chunk_segments(num_segments, first_segment, a_obs.device)
-    candidates = candidate_blocks(segments, num_blocks, config.segment_size, config.block_size)
-    forced = forced_blocks(candidates, segments, config.sink_blocks, config.local_blocks, per_segment)
-    return candidates & ~forced, forced
+from flexentropy.sparse.plan import SparsePlan, query_blocks
 
 
 def _coverage(a_obs: torch.Tensor, config: EntropyConfig) -> float | torch.Tensor:
@@ -187,40 +50,10 @@ def coverage_budgets(a_obs: torch.Tensor, config: EntropyConfig, first_segment: 
     Returns:
         float32 ``[B, Hq, C_S]`` budgets in tokens.
     """
-    free, forced = _free_and_forced(a_obs, config, first_segment)
+    free, forced = segment_candidates(a_obs, config, first_segment)
     total = 1.0 if config.observation in MASS_OBSERVATIONS else None   # a probe row's rest: on its own segment
     count = mass_cover(a_obs, free, forced, _coverage(a_obs, config), total).sum(dim=-1)
     return (count.clamp_min(1) * config.block_size).float()
-
-
-def block_table(a_obs: torch.Tensor, budgets: torch.Tensor, config: EntropyConfig, seq_len: Span, *,
-                q_start: Span = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Block table ``[B, Hq, C_Q, C_B]`` from observation scores and token budgets (design.md §1.5), for the
-    queries ``q_start .. seq_len - 1``.
-
-    Segment s attends its `fixed_blocks` (own segment causally, forced blocks, every earlier block in a dense
-    segment) and the top ``min(floor(B[s] / L_B), free candidates)`` other candidates by ``A_obs``. ``rows``: the
-    query blocks of the table (default `query_blocks` of the queries); ``a_obs`` and ``budgets`` are those of their
-    segments, from the first row's. A compiled caller passes them with ``seq_len`` and ``q_start`` as 0-d tensors.
-    """
-    if rows is None:
-        rows = query_blocks(seq_len, q_start, a_obs.device)
-    first_segment = rows[0] * Q_BLOCK_SIZE // config.segment_size
-    free, _ = _free_and_forced(a_obs, config, first_segment)
-    count = torch.floor(budgets / config.block_size).clamp(0, a_obs.shape[-1])   # bounded before the int cast
-    k = torch.minimum(count.long(), free.sum(dim=-1))
-    chosen = top_k_mask(a_obs, free, k)                                        # [B, Hq, C_S, C_B]
-    segment_of_row = rows * Q_BLOCK_SIZE // config.segment_size - first_segment
-    return chosen[..., segment_of_row, :] | fixed_rows(rows, config, seq_len, q_start, a_obs.shape[-1])
-
-
-def dense_plan(q: torch.Tensor, config: EntropyConfig, q_start: int = 0) -> SparsePlan:
-    """The plan of plain causal attention (every causal block) of the queries ``q [B, Hq, M, D]`` at positions
-    ``q_start ..``."""
-    seq_len = q_start + q.shape[-2]
-    causal = causal_blocks(seq_len, config.block_size, q.device, q_start=q_start)
-    blocks = causal.expand(q.shape[0], q.shape[1], *causal.shape).contiguous()
-    return SparsePlan(blocks, seq_len, config.block_size, dense=True, q_start=q_start)
 
 
 def _select(a_obs: torch.Tensor, config: EntropyConfig, rows: torch.Tensor, q_start: Span,

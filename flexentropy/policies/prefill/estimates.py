@@ -3,7 +3,7 @@
 Nothing here builds an ``N x N`` tensor: the true attention is taken for the last few queries only
 (`last_queries_attention`, ``[B, Hq, n, N]``), and block statistics are sums or means over ``size`` tokens.
 Computation runs in ``compute_dtype`` (float32, float64 for float64 inputs). The entropy method's probe observation
-(`flexentropy.prefill.probe_mass`) takes its probes' causal logits from here too (`causal_logits`).
+(`flexentropy.policies.prefill.entropy.probe_mass`) takes its probes' causal logits from here too (`causal_logits`).
 """
 
 from __future__ import annotations

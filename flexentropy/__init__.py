@@ -17,8 +17,7 @@ from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill
 from flexentropy.policies.prefill.entropy.budgets import allocate_budgets
 from flexentropy.policies.prefill.entropy.entropies import segment_entropy
 from flexentropy.policies.prefill.entropy.observation import observation_attention
-from flexentropy.policies.prefill.entropy.selection import select_blocks
-from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies.prefill.entropy.policy import select_blocks, sparse_prefill_attention
 from flexentropy.sparse.plan import SparsePlan
 
 __version__ = "0.1.0"

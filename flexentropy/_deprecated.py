@@ -17,7 +17,8 @@ def moved(old: str, homes: Mapping[str, str] | tuple[str, ...]) -> Callable[[str
     search = not isinstance(homes, Mapping)
 
     def __getattr__(name: str) -> Any:
-        for place in homes if search else [homes[name]] if name in homes else []:
+        moving = not (name.startswith("__") and name.endswith("__"))      # a module's own dunders stay its own
+        for place in (homes if search else [homes[name]] if name in homes else []) if moving else []:
             module = importlib.import_module(place)
             if name in vars(module):
                 value = vars(module)[name]

@@ -134,10 +134,10 @@ def test_a_covering_or_dense_chunk_is_bottom_right_causal_attention(case: dict, 
     cfg = {"cover": case["config"].replace(coverage=1.0, base_budget=float(n), max_budget_factor=1.0),
            "short": case["config"].replace(dense_prefix=n),
            "dense_layer": case["config"].replace(dense_layers=(0, 1))}[how]
-    plan = select_blocks(q, k, cfg, q_start=q_start)
+    plan = select_blocks(q, k, cfg, 1, q_start=q_start)
     assert torch.equal(plan.to_dense_mask(), torch.ones(n - q_start, n, dtype=torch.bool).tril(q_start)
                        .expand_as(plan.to_dense_mask()))
-    out = sparse_prefill_attention(q, k, v, cfg, compiled=False, q_start=q_start)
+    out = sparse_prefill_attention(q, k, v, cfg, 1, compiled=False, q_start=q_start)
     assert rel_err(out, bottom_right_causal(q, k, v)) < (1e-5 if q.dtype == torch.float32 else 2e-2)
 
 

@@ -89,7 +89,7 @@ def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
 def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     dense, model = twins(arch, COVERING)
     ids = prompt()
-    plan = mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan)
+    plan = mock.patch.object(PrefillPolicy, "layer_plan", autospec=True, side_effect=PrefillPolicy.layer_plan)
     with plan as planned, torch.no_grad():
         logits = model(ids).logits
         assert sorted(c.args[3] for c in planned.call_args_list) == sparse_layers(model, COVERING)
@@ -207,7 +207,7 @@ def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
         assert torch.equal(batch[row], greedy(dense, solo)[0]), f"covering budgets, row {row}"
 
     enable(model, SMALL)
-    with mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan) as planned:
+    with mock.patch.object(PrefillPolicy, "layer_plan", autospec=True, side_effect=PrefillPolicy.layer_plan) as planned:
         batch = greedy(model, ids, attention_mask=mask)
     rows = [c.args[1].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
     assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))

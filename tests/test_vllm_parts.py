@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexentropy import EntropyConfig
+from flexentropy import EntropyConfig, make_prefill
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.integrations.vllm.paged import (
     flash_pages,
@@ -99,14 +99,14 @@ def test_layer_checks() -> None:
 # routing
 
 
-CONFIG = EntropyConfig(dense_prefix=1000)
+POLICY = make_prefill("entropy", EntropyConfig(dense_prefix=1000))
 
 
 def reference_route(query_lens: list[int], seq_lens: list[int], decode_len: int) -> tuple[list[Chunk], list[int], int]:
     """The rule, one request at a time."""
     chunks, dense, dense_prompts, start = [], [], 0, 0
     for r, (m, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if m > decode_len and n > CONFIG.dense_prefix:
+        if m > decode_len and n > POLICY.config.dense_prefix:
             chunks.append(Chunk(r, start, start + m, n - m))
         else:
             dense.append(r)
@@ -133,7 +133,7 @@ def starts_of(query_lens: list[int]) -> torch.Tensor:
 @given(steps(), st.sampled_from([1, 3]))
 def test_route_matches_the_rule(step: tuple[list[int], list[int]], decode_len: int) -> None:
     query_lens, seq_lens = step
-    routing = route(starts_of(query_lens), torch.tensor(seq_lens, dtype=torch.int32), CONFIG, decode_len)
+    routing = route(starts_of(query_lens), torch.tensor(seq_lens, dtype=torch.int32), POLICY, decode_len)
     chunks, dense, dense_prompts = reference_route(query_lens, seq_lens, decode_len)
     assert list(routing.chunks) == chunks
     assert routing.dense_requests.tolist() == dense
@@ -175,7 +175,7 @@ def metadata_of(query_lens: list[int], seq_lens: list[int]) -> Metadata:
 def test_dense_metadata_is_the_sub_batch(step: tuple[list[int], list[int]]) -> None:
     query_lens, seq_lens = step
     metadata = metadata_of(query_lens, seq_lens)
-    routing = route(metadata.query_start_loc_cpu, metadata.seq_lens_cpu_upper_bound, CONFIG, 1)
+    routing = route(metadata.query_start_loc_cpu, metadata.seq_lens_cpu_upper_bound, POLICY, 1)
     result = dense_metadata(metadata, routing)
     keep = routing.dense_requests.tolist()
     if not keep:

@@ -243,7 +243,7 @@ def diagnose_sample(loaded: Loaded, policy: Any, task: str, length: int, index: 
 
     layers: dict[int, dict[str, Any]] = {}
     for layer in capture_qkv(model, ids):
-        if config.is_dense_layer(layer.layer_idx, len(ids)):
+        if policy.runs_dense(layer.layer_idx, len(ids)):
             continue
         with torch.compiler.set_stance("force_eager"):  # a batch of 1 would compile the selection once more
             plan = policy.plan(layer.q, layer.k, layer.layer_idx)

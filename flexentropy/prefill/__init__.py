@@ -23,7 +23,7 @@ OLD_MODULES = {
     "probe_mass": (f"{ENTROPY}.probe_mass",),
     "representatives": (f"{ENTROPY}.representatives",),
     "selection": (f"{ENTROPY}.selection", f"{ENTROPY}.policy", FIXED, "flexentropy.policies.prefill.ranking"),
-    "sparse_prefill": (f"{ENTROPY}.sparse_prefill",),
+    "sparse_prefill": (f"{ENTROPY}.policy", "flexentropy.policies.base"),
 }
 """The old modules and where their names went (searched in order)."""
 
@@ -37,7 +37,7 @@ __getattr__ = moved(__name__, {
     "RecompileLimitError": "flexentropy",
     "SparsePlan": "flexentropy",
     "allocate_budgets": "flexentropy",
-    "dense_causal_attention": f"{ENTROPY}.sparse_prefill",
+    "dense_causal_attention": "flexentropy.policies.base",
     "observation_attention": "flexentropy",
     "rigid_heads": f"{ENTROPY}.entropies",
     "segment_entropy": "flexentropy",

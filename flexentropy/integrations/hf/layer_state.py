@@ -9,7 +9,6 @@ module, on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,15 +16,12 @@ from torch import nn
 
 from flexentropy.config import EntropyConfig
 from flexentropy.policies import PrefillPolicy, make_prefill
+from flexentropy.policies.base import PlanEdit
 from flexentropy.settings import CONFIG_ATTR, Settings, parse_settings
 from flexentropy.sparse.plan import SparsePlan
 
 STATE_ATTR = "flexentropy_state"
 """Attribute of each attention module holding its `LayerState`."""
-
-PlanEdit = Callable[[int, torch.Tensor, torch.Tensor, SparsePlan], SparsePlan]
-"""``(layer_idx, query [B, Hq, N, D], key [B, Hkv, N, D], plan) -> plan``: applied to each sparse prefill plan before
-the kernel runs it (`LayerState.plan_edit`; diagnostics such as hybrid dense/sparse runs)."""
 
 
 @dataclass

@@ -31,7 +31,6 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from flexentropy.config import EntropyConfig
 from flexentropy.integrations.vllm.paged import (
     PageLayout,
     flash_pages,
@@ -44,8 +43,7 @@ from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, 
 from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
 from flexentropy.integrations.vllm.warm_up import warm_up_chunks
-from flexentropy.policies.prefill.entropy.selection import select_blocks
-from flexentropy.policies.prefill.entropy.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies import EntropyPrefill, PrefillPolicy
 from flexentropy.sparse.plan import SparsePlan
 
 
@@ -87,7 +85,7 @@ class SparsePrefillBuilder:
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device,
                  *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
-        self.flexentropy = chosen_config(vllm_config)
+        self.prefill_policy = chosen_policy(vllm_config)
         self.decode_query_len = decode_query_len(vllm_config)
         warm_up(vllm_config, kv_cache_spec, layer_names, device)
 
@@ -102,7 +100,7 @@ class SparsePrefillBuilder:
             notice_once("%s run vLLM's kernel (dense prefill)", reason)
             return parent(common_prefix_len, metadata, fast_build, **kwargs)
         routing = route(metadata.query_start_loc_cpu[: metadata.num_reqs + 1],
-                        metadata.seq_lens_cpu_upper_bound[: metadata.num_reqs], self.flexentropy,
+                        metadata.seq_lens_cpu_upper_bound[: metadata.num_reqs], self.prefill_policy,
                         self.decode_query_len)
         COUNTERS.count_step(len(routing.chunks), routing.dense_prompt_chunks)
         if not routing.chunks:
@@ -150,7 +148,7 @@ class SparsePrefillImpl:
         arguments = call_arguments(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_layer(**{name: arguments.get(name, default) for name, default in LAYER_ARGUMENTS.items()})
-        self.flexentropy = chosen_config(get_current_vllm_config())
+        self.prefill_policy = chosen_policy(get_current_vllm_config())
         self.page_layout: PageLayout | None = None
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -173,13 +171,15 @@ class SparsePrefillImpl:
         for chunk in step.chunks:
             out, plan = self.attend_chunk(layer, query, kv_cache, step.block_table[chunk.request], chunk, layer_idx)
             output[chunk.start:chunk.end] = out
-            COUNTERS.count_layer(None if plan.dense else plan.density_tensor())
+            COUNTERS.count_layer(None if plan is None else plan.density_tensor())
         return output
 
     def attend_chunk(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan]:
+                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan | None]:
         """One long prompt chunk's attention in this layer: its rows of the step's ``query [T, Hq, D]`` over the
-        request's keys and values in ``kv_cache`` (pages ``page_table``). Returns ``([M, Hq, D], its plan)``.
+        request's keys and values in ``kv_cache`` (pages ``page_table``), by the engine's prefill policy
+        (`PrefillPolicy.run`: the chunk is the last rows of the keys). Returns ``([M, Hq, D], its plan)``, the plan
+        None where the layer ran dense.
 
         The chunk's queries are copied first (``M x Hq x D``, a share of the keys and values gathered beside them), so
         that the compiled kernels see one layout whatever the model hands vLLM (a view into its fused projection, a
@@ -187,16 +187,14 @@ class SparsePrefillImpl:
         """
         q = query[chunk.start:chunk.end].clone().transpose(0, 1).unsqueeze(0)
         k, v = self.read_cache(layer, kv_cache, page_table, chunk.key_length)
-        plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
-        out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
-                                       scale=self.scale)  # type: ignore[attr-defined]
+        out, plan = self.prefill_policy.run(q, k, v, layer_idx, scale=self.scale)  # type: ignore[attr-defined]
         return out[0].transpose(0, 1), plan
 
     def warm_up(self, layer: Any, layer_idx: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Run a chunk of every class of `warm_up_chunks` through `attend_chunk` in layer ``layer_idx``, on random
         queries and a scratch cache of ``page_size``-token pages, as a served step runs them (inference mode), so
         that what they compile is compiled now."""
-        chunks = warm_up_chunks(self.flexentropy, page_size)
+        chunks = warm_up_chunks(self.prefill_policy.config, page_size)
         longest = max(chunk.key_length for chunk in chunks)
         pages = -(-longest // page_size)
         heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size  # type: ignore[attr-defined]
@@ -233,8 +231,9 @@ def warm_up(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str], device
     context = vllm_config.compilation_config.static_forward_context
     layers = {layer_index(name): context[name] for name in layer_names
               if isinstance(getattr(context.get(name), "impl", None), SparsePrefillImpl)}
-    config = chosen_config(vllm_config)
-    picked = {index in config.dense_layers: index for index in sorted(layers)}    # a sparse and a dense layer
+    policy = chosen_policy(vllm_config)
+    past_prefix = policy.config.dense_prefix + 1                    # the warm-up chunks' keys: the layer decides
+    picked = {policy.runs_dense(index, past_prefix): index for index in sorted(layers)}   # a sparse and a dense layer
     for index in picked.values():
         layers[index].impl.warm_up(layers[index], index, kv_cache_spec.block_size, kv_cache_spec.dtype, device)
 
@@ -266,15 +265,15 @@ def resolve(name: str, additional_config: object) -> type:
     return sparse_backend(name)
 
 
-def chosen_config(vllm_config: Any) -> EntropyConfig:
-    """The plugin's configuration of an engine that runs its backend (`plugin_config`)."""
+def chosen_policy(vllm_config: Any) -> PrefillPolicy:
+    """The prefill policy of an engine that runs the plugin's backend (`plugin_config`)."""
     config = plugin_config(vllm_config.additional_config)
     if config is None:
         raise RuntimeError(f"flexentropy's backend was built for an engine without a {CONFIG_KEY!r} entry in its "
                            "additional_config: vLLM resolved it for an earlier engine of this process that chose "
                            "flexentropy (it keeps one backend class per layer shape and process); start this engine "
                            "in a process of its own")
-    return config
+    return EntropyPrefill(config)
 
 
 def __getattr__(name: str) -> type:

@@ -137,7 +137,7 @@ class FlexPrefill(PrefillPolicy):
         block_mass = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).masked_fill(~causal, 0.0)
         return FlexPrefillEstimate(vertical, slash, pooled, divergence, divergence < self.tau, block_mass)
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """Per head the query-aware pairs or the vertical-slash blocks (plus the minimum columns and diagonals),
         composed with the shared fixed blocks by `query_block_table`."""
         n, block = q.shape[-2], self.config.block_size

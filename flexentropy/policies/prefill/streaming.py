@@ -39,7 +39,7 @@ class StreamingPrefill(PrefillPolicy):
         """Local window in tokens (``window``, or ``config.base_budget`` when None)."""
         return int(self.config.base_budget) if self.window is None else self.window
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """The shared `block_table` with no top-k (zero budgets) and the window as forced local blocks."""
         n = q.shape[-2]
         config = self.config.replace(local_blocks=-(-self.local_tokens // self.config.block_size))

@@ -97,7 +97,7 @@ class VerticalSlash(PrefillPolicy):
         diagonals = top_k_mask(slash, every, torch.full(slash.shape[:-1], min(self.slash, n), device=q.device))
         return columns, diagonals
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """`select_tokens` -> `pattern_blocks` -> `query_block_table`."""
         n = q.shape[-2]
         selected = pattern_blocks(*self.select_tokens(q, k), self.config.block_size)

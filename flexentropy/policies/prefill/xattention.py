@@ -100,7 +100,7 @@ class XAttention(PrefillPolicy):
         """`antidiagonal_block_mass` at this policy's stride and block size: ``[B, Hq, C_Q, C_B]``."""
         return antidiagonal_block_mass(q, k, self.stride, self.config.block_size)
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """`mass_cover` of every query block's row of `block_mass`, composed by `query_block_table`."""
         n = q.shape[-2]
         fixed = fixed_blocks(n, self.config, q.device)

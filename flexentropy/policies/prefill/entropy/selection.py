@@ -13,13 +13,12 @@ import warnings
 import torch
 import torch._inductor.exc
 
-from flexentropy._checks import check_layer_idx, check_qk
 from flexentropy._compile import keep_dynamic
-from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, check_config, coverage_at
+from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, coverage_at
 from flexentropy.policies.prefill.entropy.budgets import MAX_SEGMENTS, fluctuation_budgets
 from flexentropy.policies.prefill.entropy.entropies import rigid_heads, segment_entropy
 from flexentropy.policies.prefill.entropy.observation import _observation
-from flexentropy.policies.prefill.fixed import Span, block_table, dense_plan, segment_candidates
+from flexentropy.policies.prefill.fixed import Span, block_table, segment_candidates
 from flexentropy.policies.prefill.ranking import mass_cover
 from flexentropy.sparse.kernel import compiled_region, pad_rows
 from flexentropy.sparse.plan import SparsePlan, query_blocks
@@ -122,45 +121,10 @@ def _run_plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, r
         return _plan_tensors(q, k, config, rows, q_start, seq_len)
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1, *,
-                  compiled: bool | None = None, q_start: int = 0) -> SparsePlan:
-    """Entropy-guided sparse plan for one layer (paper Alg. 1-3, design.md §1.1-1.5), of a whole prompt or of a
-    chunk of its queries (chunked prefill, design.md §1.7).
-
-    A chunk's segments and key blocks stay on the grid from position 0. A segment the chunk holds only part of at
-    its start runs dense (its probes are in the previous chunk), and with ``dense_last_segment`` so do the
-    segments holding the chunk's last ``segment_size`` tokens; the coverage is taken at the key length
-    ``q_start + M``. Every other segment's observation uses its own queries (all in the chunk) and the keys before
-    them, so it is the whole prompt's.
-
-    Args:
-        q: ``[B, Hq, M, D]`` post-RoPE queries of the positions ``q_start .. q_start + M - 1`` (a whole prompt:
-            ``q_start=0``, ``M = N``). k: ``[B, Hkv, q_start + M, D]`` post-RoPE keys of the positions
-            ``0 .. q_start + M - 1``.
-        config: knobs (segment/block sizes, budgets, dense fallbacks). A chunk (``q_start > 0``) needs
-            ``budget_rule="coverage"`` (the default; ``"fluctuation"`` raises ``ValueError``).
-        layer_idx: layers in ``config.dense_layers`` get a dense plan; so do ``q_start + M <= dense_prefix`` keys.
-        compiled: run selection as one compiled graph (default: on CUDA, where it fuses ~100 small kernels;
-            eager on CPU); a new ``q_start`` or length reuses it. If that graph fails to compile, a warning is given
-            and selection runs eagerly.
-        q_start: position of the first query, an int >= 0.
-
-    Returns:
-        `SparsePlan` with the block table (rows: the query blocks holding the queries), budgets, entropies and
-        rigid-head flags.
-    """
-    check_qk(q, k, q_start=q_start)
-    check_layer_idx(layer_idx)
-    check_config(config)
-    if q.shape[-2] == 0 or config.is_dense_layer(layer_idx, k.shape[-2]):
-        return dense_plan(q, config, q_start)
-    return plan_blocks(q, k, config, compiled=compiled)
-
-
 def plan_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, *, compiled: bool | None = None
                 ) -> SparsePlan:
-    """The sparse plan of `select_blocks` for a layer that goes sparse, on arguments already checked (the callers
-    check them at their own entry: `sparse_prefill_attention`, `PrefillPolicy.plan`). ``q [B, Hq, M, D]`` holds the
+    """The sparse plan of `select_blocks` for a layer that goes sparse, on arguments already checked (by the front
+    doors of `flexentropy.policies.base.PrefillPolicy`). ``q [B, Hq, M, D]`` holds the
     last M of the positions of ``k [B, Hkv, N, D]`` (``q_start = N - M``)."""
     n = k.shape[-2]
     if -(-n // config.segment_size) > MAX_SEGMENTS:

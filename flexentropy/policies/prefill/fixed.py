@@ -95,11 +95,12 @@ def fixed_blocks(seq_len: int, config: EntropyConfig, device: torch.device | str
     return fixed_rows(rows, config, seq_len, q_start, -(-seq_len // config.block_size))
 
 
-def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: int) -> torch.Tensor:
+def query_block_table(selected: torch.Tensor, config: EntropyConfig, seq_len: int, q_start: int = 0) -> torch.Tensor:
     """Block table ``[B, Hq, C_Q, C_B]`` of a policy that selects per query block: its ``selected`` blocks (bool
-    ``[B, Hq, C_Q, C_B]``, trimmed to the causal ones) plus the `fixed_blocks` every policy shares."""
-    causal = causal_blocks(seq_len, config.block_size, selected.device)
-    return (selected & causal) | fixed_blocks(seq_len, config, selected.device)
+    ``[B, Hq, C_Q, C_B]`` over the rows of the queries ``q_start .. seq_len - 1``, trimmed to the causal ones) plus
+    the `fixed_blocks` every policy shares."""
+    causal = causal_blocks(seq_len, config.block_size, selected.device, q_start=q_start)
+    return (selected & causal) | fixed_blocks(seq_len, config, selected.device, q_start=q_start)
 
 
 def segment_candidates(a_obs: torch.Tensor, config: EntropyConfig,

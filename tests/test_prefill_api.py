@@ -584,6 +584,15 @@ SMALL_SPARSE = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, 
 """The geometry of the compiled tests above (640 tokens, head dim 32): one graph for them all."""
 
 
+def test_keys_and_values_in_the_queries_memory_run_compiled() -> None:
+    """Issue 77, item 3: keys and values given as head slices of the queries' tensor (``x, x[:, :2], x[:, 2:]``) made
+    Inductor's CPU code fail to compile (CppCompileError: 's24' was not declared); the one path copies them, and the
+    output is that of separate tensors."""
+    x = _qkv(n=640, d=32)[0]
+    out = sparse_prefill_attention(x, x[:, :2], x[:, 2:], SMALL_SPARSE)
+    torch.testing.assert_close(out, sparse_prefill_attention(x, x[:, :2].clone(), x[:, 2:].clone(), SMALL_SPARSE))
+
+
 def test_a_numpy_scale_reaches_the_kernel_as_a_python_float() -> None:
     """Issue 77, item 4: ``scale=np.float64(0.25)`` (or np.float32, np.int64) passed the check, then failed to compile
     (BackendCompilerFailed: FakeTensorMode should not be set)."""
@@ -591,6 +600,20 @@ def test_a_numpy_scale_reaches_the_kernel_as_a_python_float() -> None:
     for scale, value in ((np.float64(0.25), 0.25), (np.float32(0.25), 0.25), (np.int64(1), 1.0)):
         torch.testing.assert_close(sparse_prefill_attention(q, k, v, SMALL_SPARSE, scale=scale),
                                    sparse_prefill_attention(q, k, v, SMALL_SPARSE, scale=value))
+
+
+@pytest.mark.parametrize(("scale", "error", "match"), [
+    (float("inf"), ValueError, "observation_attention.scale must be a finite number > 0, got inf"),
+    (float("nan"), ValueError, "observation_attention.scale must be a finite number > 0, got nan"),
+    (None, TypeError, "observation_attention.scale must be a number, got NoneType None"),
+    ("1", TypeError, "observation_attention.scale must be a number, got str '1'"),
+])
+def test_observation_attention_refuses_a_scale_it_cannot_use(scale: object, error: type, match: str) -> None:
+    """Issue 77, item 9: ``scale=inf`` returned non-finite values, ``scale=None`` a raw TypeError."""
+    q, k, _ = _qkv()
+    with pytest.raises(error, match=match):
+        fe.observation_attention(q, k, 128, 64, scale=scale)
+    assert fe.observation_attention(q, k, 128, 64, scale=np.float32(0.5)).isfinite().all()
 
 
 @pytest.mark.parametrize(("edit", "error", "match"), [

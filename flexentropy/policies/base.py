@@ -136,7 +136,8 @@ class PrefillPolicy:
 
         On CPU it is inference-only (flex attention has no CPU backward): inputs that require grad are refused while
         grad is enabled; under ``torch.no_grad()`` or ``torch.inference_mode()`` they run detached on every device
-        (no graph is built there)."""
+        (no graph is built there). Keys or values that lie in the queries' memory (``k = x[:, :2]`` of ``q = x``) are
+        copied first: compiled, Inductor's CPU code fails on them ("not declared" in its C++)."""
         if any(t.requires_grad for t in (q, k, v)):
             if torch.is_grad_enabled() and q.device.type == "cpu":
                 raise ValueError("sparse prefill is inference-only on CPU (flex attention has no CPU backward): "
@@ -145,6 +146,8 @@ class PrefillPolicy:
                 q, k, v = q.detach(), k.detach(), v.detach()
         if q.shape[-2] == 0:
             return q.new_empty(q.shape[:-1] + (v.shape[-1],)), None
+        if not torch.compiler.is_compiling():   # Inductor's CPU code fails on keys in the queries' memory (issue 77)
+            k, v = (t.clone() if t is not q and overlapping(t, q) else t for t in (k, v))
         if plan is None:
             plan = self.layer_plan(q, k, layer_idx)
             if plan is not None and edit is not None:
@@ -156,6 +159,20 @@ class PrefillPolicy:
         ``M`` positions of ``k [B, Hkv, N, D]`` (a chunk from ``q_start = N - M``; a whole prompt when ``M = N``);
         the plan's rows are the query blocks holding them, on the grid from position 0. ``compiled``: as `plan`'s."""
         raise NotImplementedError
+
+
+def overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` lie in one storage over intersecting address ranges (views whose elements interleave,
+    such as a fused projection's q/k/v, count; disjoint slices do not)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
+    return a_start < b_end and b_start < a_end
 
 
 def check_prefill_call(owner: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_qk, is_int
+from flexentropy._checks import check_number, check_qk, is_int
 from flexentropy.config import MASS_OBSERVATIONS, OBSERVATIONS, Q_BLOCK_SIZE
 from flexentropy.policies.prefill.entropy.probe_mass import pooled_block_mass, probe_block_mass
 from flexentropy.policies.prefill.entropy.representatives import chunk_extrema
@@ -54,11 +54,10 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
     if segment_size % block_size or segment_size % Q_BLOCK_SIZE:
         raise ValueError(f"segment_size ({segment_size}) must be a multiple of block_size ({block_size}) "
                          f"and of {Q_BLOCK_SIZE}")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale!r}")
+    check_number("observation_attention", "scale", scale, 0, open_low=True)    # finite: inf gives NaN rows
     if observation in MASS_OBSERVATIONS and (not is_int(probes) or probes <= 0 or segment_size % probes):
         raise ValueError(f"probes must be a positive divisor of segment_size ({segment_size}), got {probes!r}")
-    return _observation(q, k, segment_size, block_size, observation, scale, probes)
+    return _observation(q, k, segment_size, block_size, observation, float(scale), probes)
 
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,

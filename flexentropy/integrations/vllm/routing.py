@@ -48,12 +48,12 @@ class Routing:
 
     Attributes:
         chunks: the long prompt chunks, in batch order.
-        dense_requests: int64 CPU ``[R]``: the other requests, in batch order.
+        parent_requests: int64 CPU ``[R]``: the other requests (vLLM's own kernel runs them), in batch order.
         dense_prompt_chunks: how many of those hold a prompt chunk (more query tokens than a decode step).
     """
 
     chunks: tuple[Chunk, ...]
-    dense_requests: torch.Tensor
+    parent_requests: torch.Tensor
     dense_prompt_chunks: int
 
 
@@ -125,10 +125,11 @@ def _take(value: Any, index: torch.Tensor, on_device: torch.Tensor) -> Any:
     return value
 
 
-def dense_metadata(metadata: Any, routing: Routing) -> tuple[Any, slice | torch.Tensor] | None:
-    """vLLM's ``CommonAttentionMetadata`` of the requests ``routing`` leaves to vLLM's kernel, and their query rows
-    in the step (a slice when they lead the step, else an int64 index on the step's device); None without any."""
-    requests = routing.dense_requests
+def parent_metadata(metadata: Any, routing: Routing) -> tuple[Any, slice | torch.Tensor] | None:
+    """vLLM's ``CommonAttentionMetadata`` of the requests ``routing`` leaves to vLLM's kernel (the parent backend's),
+    and their query rows in the step (a slice when they lead the step, else an int64 index on the step's device);
+    None without any."""
+    requests = routing.parent_requests
     if requests.numel() == 0:
         return None
     starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1].to(torch.int64)

@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_heads(named: Sequence[tuple[str, object]]) -> None:
+    """Raise unless each ``(name, tensor)`` of ``named`` is a floating tensor (`FLOAT_DTYPES`) of 4 dims ``[batch,
+    heads, seq_len, head_dim]`` with the dtype and device of the first (q/k/v of an attention call)."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name}.dtype ({t.dtype}) must equal {first_name}.dtype ({first.dtype})")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, q_start: int = 0) -> None:
@@ -19,18 +38,8 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *,
     if not is_int(q_start) or q_start < 0:
         raise ValueError(f"q_start must be an int >= 0 (the position of the chunk's first query), got {q_start!r}")
     named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    check_heads(named)
     for name, t in named[1:]:
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put them on one device")
         for axis, what in ((0, "batch size"), (3, "head dim")):
             if t.shape[axis] != q.shape[axis]:
                 raise ValueError(f"{name} {what} (dim {axis}) is {t.shape[axis]} but q's is {q.shape[axis]}; "
@@ -161,9 +170,9 @@ def check_scale(owner: str, scale: object) -> float | None:
     return float(scale)
 
 
-def check_odd(owner: str, name: str, value: object) -> None:
-    """Raise unless ``value`` is an odd int >= 1 (1: off)."""
-    check_int(owner, name, value, 1)
+def check_odd(owner: str, name: str, value: object, maximum: int | None = None) -> None:
+    """Raise unless ``value`` is an odd int >= 1 (1: off), at most ``maximum`` when given."""
+    check_int(owner, name, value, 1, maximum)
     if value % 2 == 0:
         raise ValueError(f"{label(owner, name)} must be odd (1 = off), got {value}")
 
@@ -171,3 +180,20 @@ def check_odd(owner: str, name: str, value: object) -> None:
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{label(owner, name)} must be one of {choices}, got {value!r}")
+
+
+def check_bool(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    """Raise unless ``value`` is True or False (or None when ``optional``: the default's choice). Any other value
+    would be taken for its truth: the string ``"no"`` turns a flag on."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        expected = "a bool or None (None: the default's choice)" if optional else "a bool (True or False)"
+        raise TypeError(f"{label(owner, name)} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_has(owner: str, name: str, value: object, attributes: tuple[str, ...], expected: str) -> None:
+    """Raise `TypeError` unless ``value`` has each of ``attributes`` (what ``owner`` reads of it); the message names
+    ``expected``, what to pass (e.g. ``"a transformers model"``)."""
+    missing = [attribute for attribute in attributes if not hasattr(value, attribute)]
+    if missing:
+        raise TypeError(f"{owner} expects {name} as {expected}, got {type(value).__name__} (it has no "
+                        f"{', '.join('.' + attribute for attribute in missing)})")

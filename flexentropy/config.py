@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 from flexentropy._checks import (
+    check_bool,
     check_choice,
     check_int,
     check_number,
@@ -36,8 +38,11 @@ BACKENDS = ("auto", "triton", "flash")
 DECODE_KERNELS = ("auto", "sdpa", "flash")
 
 MAX_TOKENS = 2**24
-"""Upper bound of the token counts that have no bound of their own (``segment_size``, ``decode_span``): 16M tokens,
-past every model's context, where a larger value could only be a mistake."""
+"""Upper bound of the token counts that have no bound of their own (``segment_size``, ``dense_prefix``, the
+``decode_*`` counts, ``recompress_every``): 16M tokens, past every model's context, where a larger value could only
+be a mistake (and one past 2**63 overflows the int64 the code computes in)."""
+MAX_BLOCKS = MAX_TOKENS // 64
+"""Upper bound of the key-block counts (``sink_blocks``, ``local_blocks``): `MAX_TOKENS` in blocks of 64 tokens."""
 
 COVERAGE_LENGTHS = (32768, 131072)
 """Prompt lengths (tokens) at which a ``(short, long)`` coverage takes its two values (`coverage_at`)."""
@@ -68,7 +73,8 @@ class EntropyConfig:
     """Knobs of entropy-guided sparse prefill (design.md §1) and latent KV cache eviction (design.md §2).
 
     Sizes are in tokens. ``segment_size`` (L_S) groups queries, ``block_size`` (L_B) groups keys; a segment
-    attends to its own tokens causally plus whole selected key blocks before it.
+    attends to its own tokens causally plus whole selected key blocks before it. Every count of tokens (or cache
+    entries) is at most `MAX_TOKENS` (2**24), of key blocks at most `MAX_BLOCKS` (2**18).
 
     Prefill (paper sec. 4.2, Alg. 1-3):
         segment_size: L_S, a multiple of 128 and of ``block_size``, at most `MAX_TOKENS` (default 256: at the same
@@ -182,8 +188,9 @@ class EntropyConfig:
             check_number(owner, name, getattr(self, name), 0, open_low=True)
         for name in ("budget_alpha", "fluctuation_threshold"):
             check_number(owner, name, getattr(self, name), 0)
-        for name in ("sink_blocks", "local_blocks", "dense_prefix"):
-            check_int(owner, name, getattr(self, name), 0)
+        for name in ("sink_blocks", "local_blocks"):
+            check_int(owner, name, getattr(self, name), 0, MAX_BLOCKS)
+        check_int(owner, "dense_prefix", self.dense_prefix, 0, MAX_TOKENS)
         check_number(owner, "max_budget_factor", self.max_budget_factor, 1)
         check_choice(owner, "fluctuation", self.fluctuation, ("abs", "signed"))
         check_choice(owner, "budget_rule", self.budget_rule, ("fluctuation", "coverage"))
@@ -208,21 +215,20 @@ class EntropyConfig:
         if not isinstance(self.dense_layers, tuple) or not all(is_int(i) and i >= 0 for i in self.dense_layers):
             raise ValueError(f"EntropyConfig.dense_layers must be a tuple of layer indices >= 0, "
                              f"got {self.dense_layers!r}")
-        if not isinstance(self.dense_last_segment, bool):
-            raise TypeError(f"EntropyConfig.dense_last_segment must be a bool, got {self.dense_last_segment!r}")
-        if not isinstance(self.probe_kernel, bool | None):
-            raise TypeError(f"EntropyConfig.probe_kernel must be a bool or None (auto), got {self.probe_kernel!r}")
-        check_int(owner, "decode_window", self.decode_window, 1)
-        check_int(owner, "decode_delay", self.decode_delay, 0)
+        check_bool(owner, "dense_last_segment", self.dense_last_segment)
+        check_bool(owner, "probe_kernel", self.probe_kernel, optional=True)
+        check_int(owner, "decode_window", self.decode_window, 1, MAX_TOKENS)
+        check_int(owner, "decode_budget", self.decode_budget, 1, MAX_TOKENS)
+        check_int(owner, "decode_delay", self.decode_delay, 0, MAX_TOKENS)
         if self.decode_budget < self.decode_window:
             raise ValueError(
                 f"EntropyConfig.decode_budget ({self.decode_budget}) must be >= decode_window "
                 f"({self.decode_window}): the window's own entries are always kept"
             )
-        check_odd(owner, "decode_pool", self.decode_pool)
+        check_odd(owner, "decode_pool", self.decode_pool, MAX_TOKENS)
         check_int(owner, "decode_span", self.decode_span, 0, MAX_TOKENS)
         if self.recompress_every is not None:
-            check_int(owner, "recompress_every", self.recompress_every, 1)
+            check_int(owner, "recompress_every", self.recompress_every, 1, MAX_TOKENS)
 
     @classmethod
     def paper(cls, **changes: object) -> EntropyConfig:
@@ -255,5 +261,6 @@ def check_config(config: object, owner: str = "", *, optional: bool = False) -> 
         return EntropyConfig()
     if not isinstance(config, EntropyConfig):
         expected = "an EntropyConfig or None" if optional else "an EntropyConfig"
-        raise TypeError(f"{label(owner, 'config')} must be {expected}, got {type(config).__name__}")
+        hint = " (build one from the mapping's fields: EntropyConfig(**values))" if isinstance(config, Mapping) else ""
+        raise TypeError(f"{label(owner, 'config')} must be {expected}, got {type(config).__name__}{hint}")
     return config

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from flexentropy._checks import check_layer_idx, is_int, plain
+from flexentropy._checks import FLOAT_DTYPES, check_bool, check_layer_idx, is_int, plain
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.policies import PrefillPolicy, prefill_policy
@@ -42,6 +42,11 @@ def _holds_nothing(cache: KVCache, layer_idx: int) -> bool:
     if hasattr(cache, "stored_length"):
         return cache.stored_length(layer_idx) == 0
     return cache.get_seq_length(layer_idx) == 0
+
+
+def _integer(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers (not a bool, floating or complex dtype)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ class EntropyAttention(nn.Module):
         rope_theta: RoPE base.
         bias: bias in the q/k/v/o projections.
         compiled: run the sparse kernel compiled (False: eager flex, which materialises N x N scores; tests only).
-        device, dtype: of the projection weights.
+        device, dtype: of the projection weights (a floating dtype).
 
     Forward: ``hidden_states [B, L, hidden_size]`` -> ``[B, L, hidden_size]`` (floating, the weights' dtype; an empty
     batch or sequence gives an empty output and leaves the cache as it is). Without a cache, or with a cache that
@@ -118,6 +123,11 @@ class EntropyAttention(nn.Module):
         policy = prefill_policy(prefill, config)
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
+        check_bool("EntropyAttention", "bias", bias)
+        check_bool("EntropyAttention", "compiled", compiled)
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"EntropyAttention's weights take a floating dtype (torch.float16, torch.bfloat16, "
+                            f"torch.float32 or torch.float64) or None (torch's default), got {dtype!r}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim = head_dim
         self.layer_idx, self.rope_theta, self.compiled = layer_idx, rope_theta, compiled
@@ -171,6 +181,12 @@ class EntropyAttention(nn.Module):
         if position_ids is None:
             past = 0 if prompt else cache.get_seq_length(self.layer_idx)
             position_ids = torch.arange(length, device=hidden_states.device) + past
+        elif not isinstance(position_ids, torch.Tensor) or not _integer(position_ids.dtype):
+            got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise TypeError(f"position_ids must be an integer tensor, got {got}")
+        elif position_ids.shape not in ((length,), (1, length), (batch, length)):
+            raise ValueError(f"position_ids must be [B={batch}, L={length}] or [L={length}] (a position per token of "
+                             f"hidden_states {list(hidden_states.shape)}), got {list(position_ids.shape)}")
         position_ids = position_ids.expand(batch, length)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, hidden_states.dtype)
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, fields
 from typing import Any, NamedTuple
 
 from flexentropy.config import EntropyConfig
-from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill
+from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill, prefill_knob_names, unknown_knobs
 
 PREFILL_MODES = tuple(PREFILL_POLICIES)
 """Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1) and the other sparse policies
@@ -84,8 +84,8 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
 
     Raises:
         TypeError, ValueError: a value that is not such a mapping, an unknown field, an unknown prefill policy, a
-            value `EntropyConfig` refuses or a knob the policy refuses; the message starts with ``where`` (what the
-            caller calls the value).
+            knob that policy does not have or a value `EntropyConfig` or the policy refuses; the message starts with
+            ``where`` (what the caller calls the value).
     """
     if value is None:
         return Settings(make_prefill("entropy"))
@@ -107,14 +107,16 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; expected EntropyConfig's fields {sorted(names)}, "
                          f"'prefill' or '{KNOBS_KEY}'")
+    wrong = unknown_knobs("prefill", prefill, knobs, prefill_knob_names(prefill))
+    if wrong:
+        raise ValueError(f"{where}['{KNOBS_KEY}']: {wrong} (EntropyConfig's fields go beside 'prefill', not in "
+                         f"'{KNOBS_KEY}')")
     try:
         config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        policy = make_prefill(prefill, config, **knobs)   # the knobs' values, checked here, once
     except (TypeError, ValueError) as err:
         raise type(err)(f"{where}: {err}") from None
-    try:
-        return Settings(make_prefill(prefill, config, **knobs))
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"{where}['{KNOBS_KEY}']: {err}") from None
+    return Settings(policy)
 
 
 _READ: dict[str, Settings] = {}

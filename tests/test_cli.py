@@ -91,6 +91,9 @@ def test_prompt_file_and_own_question(tiny_model: Path, tmp_path: Path, capsys: 
     ("tiny", ["--yarn", "2", "--context-length", "3000"], "exceeds the model's context of 2048 tokens"),
     ("tiny", ["--yarn", "1"], "YaRN factor must be > 1"),
     ("tiny", ["--prompt-file", "no/such/file.txt"], "prompt file not found"),
+    ("tiny", ["--prompt-file", "{folder}"], r"--prompt-file .*a_folder is a folder; give a text file"),
+    ("tiny", ["--json", "{folder}/new/result.json"], r"--json .*result.json: the folder .*a_folder/new does not "
+                                                     r"exist; create it first \(mkdir -p "),
     ("tiny", ["--needle-depth", "1.5"], r"--needle-depth must be in \[0, 1\]"),
     ("tiny", ["--segment-size", "100"], "segment_size must be a positive multiple of 128"),
     ("tiny", ["--base-budget", "inf"], "base_budget must be a finite number > 0, got inf"),
@@ -115,7 +118,9 @@ def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp
             n for n in names if n.endswith(".safetensors") == weights and n != "config.json"])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
     (tmp_path / "a_file").write_text("")
-    argv = [a.format(binary=tmp_path / "latin1.txt", file=tmp_path / "a_file") for a in argv]
+    (tmp_path / "a_folder").mkdir()
+    argv = [a.format(binary=tmp_path / "latin1.txt", file=tmp_path / "a_file", folder=tmp_path / "a_folder")
+            for a in argv]
 
     def no_loading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the weights were loaded before the input was checked")
@@ -127,6 +132,35 @@ def test_bad_input_exits_with_a_message_and_writes_nothing(tiny_model: Path, tmp
     assert isinstance(exit_info.value.code, str) and exit_info.value.code.startswith("flexentropy: error:")
     assert re.search(message, exit_info.value.code), exit_info.value.code
     assert not out.exists() and not list(tmp_path.glob(".result.json.*"))
+    assert not list((tmp_path / "a_folder").iterdir())   # no folder made for --json
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_json_file_gets_the_permissions_of_a_file_open_makes(tmp_path: Path, umask: int) -> None:
+    """Issue 77: ``--json out.json`` was written owner-only (0600, its temporary file's mode) under umask 022."""
+    from flexentropy.cli.files import write_json_atomic
+
+    previous = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "result.json", {"a": 1})
+        with open(tmp_path / "plain.json", "w", encoding="utf-8"):
+            pass
+    finally:
+        os.umask(previous)
+    assert json.loads((tmp_path / "result.json").read_text()) == {"a": 1}
+    mode = (tmp_path / "result.json").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_the_warm_up_shows_its_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 77: the command's warm-up (14.5 s on the CPU) ran without a progress bar; one counts the layers."""
+    from flexentropy.cli.generation import warm_up
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+    warm_up(model, torch.arange(1, 41)[None], 32, desc="dense warm-up")
+    assert re.search(r"dense warm-up: .* 0/2 .*layer", capsys.readouterr().err)
 
 
 def test_help_does_not_import_transformers() -> None:

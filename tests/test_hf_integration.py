@@ -32,9 +32,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from flexentropy import EntropyConfig, greedy_generate
+from flexentropy import EntropyConfig, generate_batch, greedy_generate, warm_up
 from flexentropy import chunk_mlp as fe_chunk_mlp
 from flexentropy.caches import LatentKVCache, StaticLatentKVCache, keywords, make_cache
+from flexentropy.caches.conversation import ConversationIds
 from flexentropy.integrations import hf
 from flexentropy.integrations.hf import enable, prefill_density
 from flexentropy.kv.decode_attention import grouped_attention, kept_columns
@@ -73,10 +74,10 @@ def prompt(length: int = PROMPT, seed: int = 1, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def greedy(model: torch.nn.Module, ids: torch.Tensor, new: int = 8, **kwargs: object) -> torch.Tensor:
-    """The ``new`` greedily generated tokens ``[B, new]``."""
+def greedy(model: torch.nn.Module, ids: torch.Tensor | None, new: int = 8, **kwargs: object) -> torch.Tensor:
+    """The ``new`` greedily generated tokens ``[B, new]`` (``ids`` None: the prompt given as ``inputs_embeds``)."""
     out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
-    return out[:, ids.shape[1]:]
+    return out if ids is None else out[:, ids.shape[1]:]
 
 
 def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
@@ -127,8 +128,8 @@ def test_a_new_prompt_on_a_used_cache_asks_for_reset_and_a_later_turn_continues(
     ids, other = prompt(300), prompt(250, seed=2)
     cache = REUSED_CACHES[name](model)
     first = greedy(model, ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
-    with pytest.raises(ValueError, match=r"already holds a conversation of 307 tokens, but the 193 new tokens of "
-                                         r"batch row 0 start at position 57, not 307: .* Call cache.reset\(\)"):
+    with pytest.raises(ValueError, match=r"holds a conversation of 307 tokens, and generate's 250 tokens do not go "
+                                         r"past them: a new prompt on a used cache: call cache.reset\(\)"):
         greedy(model, other, attention_mask=torch.ones_like(other), past_key_values=cache)
     cache.reset()
     assert torch.equal(greedy(model, other, past_key_values=cache), greedy(dense, other))
@@ -342,6 +343,19 @@ def assert_same_state(got: object, expected: object, path: str = "cache") -> Non
         assert got == expected, path
 
 
+def used_caches(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, object, object]:
+    """``(model, ids, first, clean, cache)``: a Llama switched with ``STATIC_SMALL`` (dense prefill), a prompt of 300
+    tokens, its 12 greedy tokens, and two caches of `REFUSING_CACHES` ``name`` that each generated them."""
+    _, model = twins("llama", STATIC_SMALL)
+    enable(model, STATIC_SMALL, prefill="dense")
+    keyword = hf.cache_keyword(model)
+    ids = prompt(300)
+    clean, cache = REFUSING_CACHES[name](model), REFUSING_CACHES[name](model)
+    first = greedy(model, ids, new=12, **{keyword: clean})
+    assert torch.equal(greedy(model, ids, new=12, **{keyword: cache}), first)
+    return model, ids, first, clean, cache
+
+
 @pytest.mark.parametrize("name", REFUSING_CACHES)
 def test_a_refused_forward_leaves_the_cache_as_it_was(name: str) -> None:
     """Issue 69: a new prompt on a used cache, a model of another depth or a batch of another size was refused only
@@ -349,20 +363,15 @@ def test_a_refused_forward_leaves_the_cache_as_it_was(name: str) -> None:
     now refused before anything is written: every cache holds what it held (lengths, entries, counters, the static
     phase's buffers, at their addresses), and the conversation's next turn gets the tokens of a cache that never saw
     the refused forwards."""
-    _, model = twins("llama", STATIC_SMALL)
-    enable(model, STATIC_SMALL, prefill="dense")
+    model, ids, first, clean, cache = used_caches(name)
     two = enable(LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 2})).eval(), STATIC_SMALL,
                  prefill="dense")
     keyword = hf.cache_keyword(model)
-    ids = prompt(300)
-    clean, cache = REFUSING_CACHES[name](model), REFUSING_CACHES[name](model)
-    first = greedy(model, ids, new=12, **{keyword: clean})
-    assert torch.equal(greedy(model, ids, new=12, **{keyword: cache}), first)
     conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
     held = held_state(cache)
     refused = {
-        r"already holds a conversation of 311 tokens, but the 189 new tokens .* start at position 61, not 311: a new "
-        r"prompt on a used cache": lambda: greedy(model, prompt(250, seed=2), **{keyword: cache}),
+        r"holds a conversation of 311 tokens, and generate's 250 tokens do not go past them: a new prompt on a used "
+        r"cache": lambda: greedy(model, prompt(250, seed=2), **{keyword: cache}),
         r"start at position 0, not 311": lambda: model(ids, position_ids=torch.arange(300)[None], **{keyword: cache}),
         r"a model of 2 layers runs on a|built for 3 layers, but a model of 2 layers":
             lambda: greedy(two, conversation, **{keyword: cache}),
@@ -375,6 +384,152 @@ def test_a_refused_forward_leaves_the_cache_as_it_was(name: str) -> None:
         assert_same_state(held_state(cache), held, f"{name} after {message!r}")
     assert torch.equal(greedy(model, conversation, new=12, **{keyword: cache}),
                        greedy(model, conversation, new=12, **{keyword: clean}))
+
+
+@pytest.mark.parametrize("name", ["latent", "static"])
+def test_a_new_prompt_longer_or_shorter_than_the_conversation_is_refused(name: str) -> None:
+    """Issue 77: a new prompt longer than the conversation a used cache holds was taken silently (``generate`` fed
+    its tokens past the cache's length, after the old conversation's entries), and a shorter one got internal
+    errors. The cache now keeps the conversation's ids (``generate``'s, handed over by the hook on
+    ``prepare_inputs_for_generation``; decode steps recorded, compared once per ``generate``) and refuses a new
+    prompt, naming ``cache.reset()``, before anything is written: one that differs from the first token, from a later
+    one, or only in a token the cache generated, and one no longer than the conversation. The later turn then gets the
+    tokens of a cache that never saw the refused prompts, whether ``generate`` is given the whole conversation or its
+    new tokens with the whole attention mask; a prompt fed by forwards in chunks is known too."""
+    model, ids, first, clean, cache = used_caches(name)
+    keyword = hf.cache_keyword(model)
+    held = held_state(cache)
+    changed = torch.cat([ids, first], dim=1)
+    changed[0, 305] = (changed[0, 305] + 1) % VOCAB   # a token the cache generated
+    refused = {
+        "500 tokens differ from them at token 0": prompt(500, seed=2),
+        "400 tokens differ from them at token 100": torch.cat([ids[:, :100], prompt(300, seed=2)], dim=1),
+        "331 tokens differ from them at token 305": torch.cat([changed, prompt(19, seed=3)], dim=1),
+        "150 tokens do not go past them": prompt(150, seed=2),
+        "311 tokens do not go past them": torch.cat([ids, first[:, :-1]], dim=1),
+    }
+    for why, other in refused.items():
+        with pytest.raises(ValueError, match=rf"{type(cache).__name__} holds a conversation of 311 tokens, and "
+                                             rf"generate's {why}: a new prompt on a used cache: call cache.reset\(\) "
+                                             rf"\(or use a new cache\)"):
+            greedy(model, other, new=4, **{keyword: cache})
+        assert_same_state(held_state(cache), held, f"{name} after {why!r}")
+    conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
+    expected = greedy(model, conversation, new=12, **{keyword: clean})
+    with mock.patch.object(ConversationIds, "first_difference", autospec=True,
+                           side_effect=ConversationIds.first_difference) as compared:
+        assert torch.equal(greedy(model, conversation, new=12, **{keyword: cache}), expected)
+    assert compared.call_count == 1   # the turn's first forward; none in its decode steps
+
+    new_tokens = REFUSING_CACHES[name](model)
+    greedy(model, ids, new=12, **{keyword: new_tokens})
+    turn = torch.cat([first[:, -1:], conversation[:, 312:]], dim=1)   # what the cache does not hold yet
+    assert torch.equal(greedy(model, turn, new=12, attention_mask=torch.ones_like(conversation),
+                              **{keyword: new_tokens}), expected)
+
+    chunks = REFUSING_CACHES[name](model)
+    with torch.no_grad():
+        model(ids[:, :200], **{keyword: chunks})
+        model(ids[:, 200:299], **{keyword: chunks})
+    with pytest.raises(ValueError, match="generate's 500 tokens differ from them at token 199"):
+        greedy(model, torch.cat([ids[:, :199], prompt(301, seed=2)], dim=1), new=4, **{keyword: chunks})
+    assert greedy(model, ids, new=4, **{keyword: chunks}).shape == (1, 4)   # the chunks' ids, continued
+
+
+def test_a_prompt_given_as_embeddings_is_checked_by_its_length() -> None:
+    """``generate(inputs_embeds=...)`` on a switched model with a flexentropy cache (its hook on
+    ``prepare_inputs_for_generation`` keeps the class's signature, which ``generate`` reads): embeddings have no
+    ids, so a later turn given as embeddings goes on unchecked, with the tokens of a dense cache, and only a prompt
+    no longer than the conversation is refused; the tokens the cache generated are known, and ids that change one
+    of them are refused."""
+    dense, model = twins("llama", COVERING)
+    enable(model, COVERING, prefill="dense")
+    embed = model.get_input_embeddings()
+    ids, cache, dense_cache = prompt(300), LatentKVCache(COVERING), DynamicCache(config=dense.config)
+    with torch.no_grad():
+        first = greedy(model, None, inputs_embeds=embed(ids), past_key_values=cache)
+        assert torch.equal(greedy(dense, None, inputs_embeds=embed(ids), past_key_values=dense_cache), first)
+        conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
+        later = greedy(model, None, inputs_embeds=embed(conversation), past_key_values=cache)
+        assert torch.equal(later, greedy(dense, None, inputs_embeds=embed(conversation), past_key_values=dense_cache))
+        with pytest.raises(ValueError, match=r"holds a conversation of 335 tokens, and generate's inputs_embeds of "
+                                             r"150 tokens do not go past them: a new prompt on a used cache"):
+            greedy(model, None, inputs_embeds=embed(prompt(150, seed=2)), past_key_values=cache)
+        changed = torch.cat([conversation, later], dim=1)
+        changed[0, 330] = (changed[0, 330] + 1) % VOCAB
+        with pytest.raises(ValueError, match="differ from them at token 330"):
+            greedy(model, changed, past_key_values=cache)
+
+
+@pytest.mark.parametrize("name", ["latent", "static"])
+def test_a_disabled_model_on_its_cache_says_to_enable_it(name: str) -> None:
+    """Issue 77: after ``fe.disable(model)``, continuing a conversation with its cache stored the turn (SDPA hands
+    over no queries) and failed a step later with an internal message about ``observe_queries``; a static cache's
+    steps would not have advanced. The first write of such a forward is now refused, before anything is written,
+    saying to enable the model; enabled again, the conversation goes on as if the forwards had never come."""
+    model, ids, first, clean, cache = used_caches(name)
+    keyword = hf.cache_keyword(model)
+    held = held_state(cache)
+    conversation = torch.cat([ids, first, prompt(20, seed=3)], dim=1)
+    hf.disable(model)
+    for run in (lambda: greedy(model, conversation, new=4, **{keyword: cache}),
+                lambda: model(first[:, -1:], **{keyword: cache})):
+        with pytest.raises(RuntimeError, match=r"call flexentropy.enable\(model\) before running the model with this "
+                                               r"cache"), torch.no_grad():
+            run()
+        assert_same_state(held_state(cache), held, name)
+    enable(model, STATIC_SMALL, prefill="dense")
+    assert torch.equal(greedy(model, conversation, new=12, **{keyword: cache}),
+                       greedy(model, conversation, new=12, **{keyword: clean}))
+
+
+def test_crop_is_refused_and_batch_rows_are_repeated_or_selected() -> None:
+    """Issue 77: ``cache.crop(20)`` and ``cache.batch_repeat_interleave(2)`` after a ``generate`` raised an
+    AttributeError on ``PolicyLayer``, and ``update`` took int64 keys and values. ``crop`` is refused, saying why and
+    what to do, unless it removes nothing (what the cache keeps follows every token it saw); repeated or selected
+    rows continue as the rows they copy; a `StaticLatentKVCache` refuses both; ``update`` refuses non-floating
+    keys and values."""
+    _, model = twins("llama", STATIC_SMALL)
+    enable(model, STATIC_SMALL, prefill="dense")
+    keyword = hf.cache_keyword(model)
+    pair, new = prompt(300, batch=2), prompt(20, seed=3, batch=2)
+    solo = [REFUSING_CACHES["latent"](model) for _ in pair]
+    first = [greedy(model, row[None], new=12, **{keyword: cache}) for row, cache in zip(pair, solo, strict=True)]
+    conversations = torch.cat([pair, torch.cat(first), new], dim=1)
+    later = [greedy(model, row[None], new=12, **{keyword: cache}) for row, cache in zip(conversations, solo,
+                                                                                         strict=True)]
+
+    cache = REFUSING_CACHES["latent"](model)
+    greedy(model, pair[1:], new=12, **{keyword: cache})
+    held = held_state(cache)
+    for tokens in (20, -3):
+        with pytest.raises(NotImplementedError, match=r"LatentKVCache cannot crop: what it keeps .* depends on every "
+                                                      r"token it has seen.* call cache.reset\(\) and run them again"):
+            cache.crop(tokens)
+    cache.crop(0)
+    cache.crop(311)
+    assert_same_state(held_state(cache), held)
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(greedy(model, conversations[1:].expand(2, -1), new=12, **{keyword: cache}),
+                       later[1].expand(2, -1))
+
+    cache = REFUSING_CACHES["latent"](model)
+    assert torch.equal(greedy(model, pair, new=12, **{keyword: cache}), torch.cat(first))
+    cache.batch_select_indices(torch.tensor([False, True]))
+    assert torch.equal(greedy(model, conversations[1:], new=12, **{keyword: cache}), later[1])
+    with pytest.raises(ValueError, match=r"batch_select_indices expects int64 indices \[R\] in \[0, 1\)"):
+        cache.batch_select_indices(torch.tensor([1]))
+
+    static = REFUSING_CACHES["static"](model)
+    greedy(model, pair[:1], new=12, **{keyword: static})
+    for run in (lambda: static.batch_repeat_interleave(2), lambda: static.batch_select_indices(torch.tensor([0]))):
+        with pytest.raises(NotImplementedError, match="StaticLatentKVCache keeps its batch rows in buffers of its "
+                                                      "batch size and does not repeat or select them"):
+            run()
+    integers = torch.ones(1, 2, 3, 4, dtype=torch.long)
+    for fresh in (LatentKVCache(SMALL), StaticLatentKVCache(STATIC_SMALL, num_layers=1)):
+        with pytest.raises(TypeError, match="update expects floating key_states .* got torch.int64"):
+            fresh.update(integers, integers, 0)
 
 
 def test_a_cache_takes_a_model_or_says_what_it_needs() -> None:
@@ -475,6 +630,58 @@ def test_enable_rejects_what_it_cannot_run() -> None:
     enable(ARCHS["llama"]().double(), prefill="dense")  # SDPA prefill takes float64
 
 
+def test_an_enabled_model_on_meta_gives_the_shapes_of_its_outputs() -> None:
+    """Issue 77: a model built on the meta device (shapes without data, as before loading weights) and enabled got
+    dynamo's "Observed exception" from the sparse kernel, and its density ``Tensor.item() cannot be called on meta
+    tensors``: it runs as a dense one does on meta, prompt and decode step, and its density is unknown (NaN)."""
+    with torch.device("meta"):
+        model = enable(ARCHS["llama"]().eval(), SMALL)
+    cache = LatentKVCache(SMALL)
+    ids = torch.zeros(1, PROMPT, dtype=torch.long, device="meta")
+    assert model(ids, past_key_values=cache).logits.shape == (1, PROMPT, VOCAB)
+    assert model(ids[:, :1], past_key_values=cache).logits.shape == (1, 1, VOCAB)
+    assert math.isnan(prefill_density(model))
+
+
+def test_flags_of_enable_and_the_engine_take_bools() -> None:
+    """Issue 77: ``enable(model, keep_plans="no")`` kept the plans (a string is true), and the engine's flags took
+    any value for its truth: each refuses what is not a bool (None too where None picks the default)."""
+    model = ARCHS["llama"]().eval()
+    with pytest.raises(TypeError, match=r"enable.keep_plans must be a bool \(True or False\), got str 'no'"):
+        enable(model, SMALL, keep_plans="no")
+    assert model.config._attn_implementation == "sdpa"             # refused before the model was touched
+    enable(model, STATIC_SMALL)
+    ids = prompt(200)
+    calls = {
+        "greedy_generate.compiled must be a bool or None": lambda: greedy_generate(
+            model, ids, StaticLatentKVCache(STATIC_SMALL, model=model), 2, compiled="no"),
+        "generate_batch.compiled must be a bool or None": lambda: generate_batch(model, [ids[0]], 2, compiled="no"),
+        r"warm_up.loop must be a bool \(True or False\)": lambda: warm_up(model, [200], loop="no"),
+    }
+    for message, call in calls.items():
+        with pytest.raises(TypeError, match=f"{message}.*, got str 'no'"):
+            call()
+
+
+def test_the_helpers_name_the_argument_they_expect() -> None:
+    """Issue 77: ``prefill_density(None)``, ``cache_keyword(None)``, and `layer_state`, `local_heads` and
+    `attention_forward` given an ``nn.Linear`` raised AttributeErrors on what they read of it."""
+    linear = torch.nn.Linear(2, 2)
+    q = torch.zeros(1, 4, 3, 16)
+    module = r"an attention module of a transformers model \(e.g. model.model.layers\[0\].self_attn\), got Linear"
+    calls = [
+        (lambda: prefill_density(None), r"prefill_density expects model as a transformers model \(an nn.Module\), "
+                                        r"got NoneType \(it has no .named_modules\)"),
+        (lambda: hf.cache_keyword(None), r"cache_keyword expects model as a transformers model, got NoneType"),
+        (lambda: hf.layer_state(linear), rf"layer_state expects module as {module} \(it has no .config, .layer_idx\)"),
+        (lambda: hf.local_heads(linear), rf"local_heads expects module as {module} \(it has no .num_key_value_groups"),
+        (lambda: hf.attention_forward(linear, q, q[:, :2], q[:, :2], None), rf"layer_state expects module as {module}"),
+    ]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
 def test_enable_leaves_other_models_of_the_same_config_alone(tmp_path: object) -> None:
     """Two models built from one config object: enabling one switched the other's attention too (and saved the
     other's settings). Each enabled model now holds its own config."""
@@ -494,6 +701,10 @@ def test_enable_leaves_other_models_of_the_same_config_alone(tmp_path: object) -
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.flexentropy["coverage"] == list(SMALL.coverage)
 
 
+ROUTED = {"get_compiled_call", "prepare_inputs_for_generation", "create_masks_for_generate"}
+"""The methods `enable` gives a model of its own (`flexentropy.integrations.hf.hooks`), which `disable` takes off."""
+
+
 def hook_count(model: torch.nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
@@ -503,7 +714,7 @@ def test_disable_takes_off_everything_enable_put_on() -> None:
     compiled-call routing, and the model generates as its dense twin again; `enabled` does both around a block."""
     dense, model = twins("llama", SMALL)
     hooks_on = hook_count(model)
-    assert hooks_on == 3 + 2 + 3 and "get_compiled_call" in vars(model)   # attention, decoder, signal hooks
+    assert hooks_on == 3 + 2 + 3 and vars(model).keys() >= ROUTED         # attention, decoder, signal hooks
     enable(model, SMALL)
     assert hook_count(model) == hooks_on
     ids = prompt()
@@ -511,7 +722,7 @@ def test_disable_takes_off_everything_enable_put_on() -> None:
     greedy(model, ids, **{hf.cache_keyword(model): cache})
     assert cache.layers[1].evictions > 0                                  # the cache got its queries
     assert hf.disable(model) is model
-    assert hook_count(model) == 0 and "get_compiled_call" not in vars(model)
+    assert hook_count(model) == 0 and not ROUTED & vars(model).keys()
     assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, hf.CONFIG_ATTR)
     assert not any(hasattr(m, hf.STATE_ATTR) for m in hf.attention_modules(model))
     assert torch.equal(greedy(model, ids), greedy(dense, ids))
@@ -550,7 +761,7 @@ def test_a_deep_copy_of_an_enabled_model_is_switched_on_its_own() -> None:
     hooks = hook_count(twin)
     enable(twin, SMALL)
     assert hook_count(twin) == hooks
-    assert hf.disable(twin) is twin and hook_count(twin) == 0 and "get_compiled_call" not in vars(twin)
+    assert hf.disable(twin) is twin and hook_count(twin) == 0 and not ROUTED & vars(twin).keys()
     assert twin.config._attn_implementation == "sdpa" and hook_count(model) == hooks
 
 

@@ -397,8 +397,8 @@ def test_decode_attention_matches_dense_math():
 
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(decode_budget=8, decode_window=16), r"decode_budget \(8\) must be >= decode_window \(16\)"),
-    (dict(decode_window=0), "decode_window must be >= 1"),
-    (dict(decode_delay=-1), "decode_delay must be >= 0"),
+    (dict(decode_window=0), r"decode_window must be in \[1, 16777216\], got 0"),
+    (dict(decode_delay=-1), r"decode_delay must be in \[0, 16777216\], got -1"),
 ])
 def test_bad_config(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -508,6 +508,25 @@ def test_decode_attention_refuses_a_scale_sparse_prefill_refuses(scale: object, 
     query, keys, values = _token(torch.Generator().manual_seed(0), 1, 4, 2, 8, q_len=3)
     with pytest.raises(error, match=f"decode_attention.scale must be {message}"):
         decode_attention(query, keys, values, scale=scale)
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda q, k, v: (q.long(), k.long(), v.long()), TypeError,
+     r"query must be a floating tensor \(float16/bfloat16/float32/float64\), got torch.int64"),
+    (lambda q, k, v: (q, k, v.to(torch.complex64)), TypeError,
+     "values must be a floating tensor .* got torch.complex64"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, "query must be a torch.Tensor, got list"),
+    (lambda q, k, v: (q, k.float(), v), TypeError, r"keys.dtype \(torch.float32\) must equal query.dtype"),
+    (lambda q, k, v: (q, k, v.to("meta")), ValueError, "values is on meta but query is on cpu; put them on one device"),
+    (lambda q, k, v: (q[0], k, v), ValueError, r"query must be 4-D \[batch, heads, seq_len, head_dim\]"),
+])
+def test_decode_attention_refuses_what_sdpa_cannot_take(change, error: type, message: str) -> None:
+    """Issue 77: int64 tensors got SDPA's "cannot be converted to type int64_t without overflow", complex ones its
+    softmax's NotImplementedError, a list an AttributeError: each is refused at the boundary, as
+    `sparse_prefill_attention` refuses it."""
+    query, keys, values = change(*_token(torch.Generator().manual_seed(0), 1, 4, 2, 8, q_len=3))
+    with pytest.raises(error, match=message):
+        decode_attention(query, keys, values)
 
 
 # --------------------------------------------------------------------------------------------------------------

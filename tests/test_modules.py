@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -102,6 +103,31 @@ def test_rejects_bad_arguments() -> None:
     with torch.no_grad():
         assert attention.to(torch.bfloat16)(torch.randn(2, 5, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
         assert sized(torch.randn(1, 3, 64)).shape == (1, 3, 64)
+
+
+def test_a_dtype_position_ids_or_flag_it_cannot_take_is_refused() -> None:
+    """Issue 77: ``dtype=torch.int64`` got torch's "Only Tensors of floating point ... can require gradients",
+    position_ids of the wrong length torch's expand error, and ``compiled="no"`` compiled."""
+    with pytest.raises(TypeError, match=r"EntropyAttention's weights take a floating dtype \(torch.float16, "
+                                        r"torch.bfloat16, torch.float32 or torch.float64\) or None .*got torch.int64"):
+        EntropyAttention(64, 4, 2, layer_idx=0, dtype=torch.int64)
+    for name in ("compiled", "bias"):
+        with pytest.raises(TypeError, match=rf"EntropyAttention.{name} must be a bool \(True or False\), got str"):
+            EntropyAttention(64, 4, 2, layer_idx=0, **{name: "no"})
+    attention = EntropyAttention(64, 4, 2, layer_idx=0, compiled=False)
+    hidden = torch.randn(2, 10, 64)
+    for positions in (torch.arange(7), torch.arange(20).view(2, 10)[:, None], torch.arange(30).view(3, 10)):
+        got = re.escape(str(list(positions.shape)))
+        with pytest.raises(ValueError, match=r"position_ids must be \[B=2, L=10\] or \[L=10\] \(a position per token "
+                                             rf"of hidden_states \[2, 10, 64\]\), got {got}"):
+            attention(hidden, position_ids=positions)
+    for positions, got in ((torch.arange(10.0), "torch.float32"), (list(range(10)), "list")):
+        with pytest.raises(TypeError, match=f"position_ids must be an integer tensor, got {got}"):
+            attention(hidden, position_ids=positions)
+    with torch.no_grad():
+        expected = attention(hidden)
+        for positions in (torch.arange(10), torch.arange(10)[None], torch.arange(10).expand(2, 10)):
+            assert torch.equal(attention(hidden, position_ids=positions), expected)
 
 
 def test_an_empty_batch_or_sequence_gives_an_empty_output() -> None:

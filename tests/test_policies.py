@@ -40,6 +40,7 @@ from flexentropy.policies import (
 )
 from flexentropy.policies.cache.infokv import restricted_entropy
 from flexentropy.policies.cache.pyramidkv import pyramid_budgets
+from flexentropy.settings import parse_settings
 from reference import policies as ref
 from reference.prefill import blocks_to_dense_mask, masked_attention
 
@@ -76,6 +77,15 @@ def test_docs_table_lists_every_policy_and_knob():
             assert f"`{knob}`" in text, (name, knob)
 
 
+def test_docs_give_the_shared_geometry_at_its_defaults() -> None:
+    """Issue 77: policies.md gave ``segment_size`` 512 (it is 256)."""
+    text, defaults = " ".join(DOCS.read_text().split()), EntropyConfig()
+    shared = text.split("dense fallbacks from the `EntropyConfig` (", 1)[1].split("kernel", 1)[0]
+    names = ("segment_size", "block_size", "sink_blocks", "local_blocks", "dense_prefix", "dense_last_segment",
+             "dense_layers", "base_budget")
+    assert shared == ", ".join(f"`{name}` {getattr(defaults, name)}" for name in names) + ", "
+
+
 def test_make_prefill_splits_policy_knobs_from_config_knobs():
     policy = make_prefill("streaming", window=256, base_budget=512, segment_size=256)
     assert isinstance(policy, StreamingPrefill) and policy.window == 256
@@ -85,10 +95,29 @@ def test_make_prefill_splits_policy_knobs_from_config_knobs():
     assert make_prefill(policy) is policy
     with pytest.raises(ValueError, match="unknown prefill policy 'sparse'; choose one of dense, entropy"):
         make_prefill("sparse")
-    with pytest.raises(TypeError, match="no field"):
-        make_prefill("dense", nonsense=1)
     with pytest.raises(TypeError, match="either a PrefillPolicy"):
         make_prefill(policy, window=3)
+
+
+def test_a_misspelt_prefill_knob_is_named_with_the_policys_knobs() -> None:
+    """Issue 77: ``make_prefill("xattention", cfg, treshold=0.5)`` blamed "EntropyConfig has no field(s)", and the
+    record ``{"prefill": "xattention", "prefill_knobs": {"treshold": 0.5}}`` was accepted, to fail at the first
+    forward; both name the policy's knobs now, and the record's knob values are checked when it is read."""
+    with pytest.raises(TypeError, match=r"prefill policy 'xattention' has no knob\(s\) \['treshold'\]; its knobs: "
+                                        r"threshold, stride; EntropyConfig's fields are taken too"):
+        make_prefill("xattention", EntropyConfig(), treshold=0.5)
+    with pytest.raises(TypeError, match=r"prefill policy 'dense' has no knob\(s\) \['nonsense'\]; it takes no knobs"):
+        make_prefill("dense", nonsense=1)
+    with pytest.raises(ValueError, match=r"config.flexentropy\['prefill_knobs'\]: prefill policy 'xattention' has "
+                                         r"no knob\(s\) \['treshold'\]; its knobs: threshold, stride"):
+        parse_settings({"prefill": "xattention", "prefill_knobs": {"treshold": 0.5}})
+    with pytest.raises(ValueError, match=r"\['prefill_knobs'\]: prefill policy 'entropy' has no knob\(s\) "
+                                         r"\['segment_size'\]; it takes no knobs \(EntropyConfig's fields go beside"):
+        parse_settings({"prefill_knobs": {"segment_size": 512}})
+    with pytest.raises(TypeError, match="config.flexentropy: XAttention.threshold must be a number, got str"):
+        parse_settings({"prefill": "xattention", "prefill_knobs": {"threshold": "high"}})
+    read = parse_settings({"prefill": "xattention", "segment_size": 512, "prefill_knobs": {"threshold": 0.5}})
+    assert make_prefill(read.prefill, read.config, **read.knobs).threshold == 0.5
 
 
 def test_make_cache_builds_a_policy_cache():
@@ -121,7 +150,7 @@ def test_make_cache_builds_a_policy_cache():
     # issue 69: named EntropyConfig.decode_budget and decode_window, not the knobs passed
     (lambda: LatentPolicy.from_knobs(budget=8, window=16), r"^LatentPolicy.budget \(8\) must be >= window \(16\)"),
     (lambda: make_cache("latent", budget=10), r"^LatentPolicy.budget \(10\) must be >= window \(32\): the window's "),
-    (lambda: make_cache("latent", window=0), r"^LatentPolicy.window must be >= 1, got 0"),
+    (lambda: make_cache("latent", window=0), r"^LatentPolicy.window must be in \[1, 16777216\], got 0"),
     (lambda: make_cache("latent", delay=1.5), r"^LatentPolicy.delay must be an int, got float 1.5"),
     (lambda: StreamingPrefill(window=-1), r"StreamingPrefill.window must be >= 0"),
     (lambda: make_prefill("critiprefill", observation="max"), r"CritiPrefill.observation must be one of"),

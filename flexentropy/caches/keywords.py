@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from flexentropy._checks import check_has
+
 CACHE_KEYWORDS = ("cache", "past_key_values")
 """The cache's keyword, newest name first."""
 CACHE_KWARG = "flexentropy_cache"
@@ -36,5 +38,7 @@ def cache_argument(kwargs: Mapping[str, Any]) -> Any:
 def cache_keyword(model: Any) -> str:
     """The keyword under which ``model``'s forward and ``generate`` take a cache: ``"cache"`` (transformers >= 5.24)
     or ``"past_key_values"`` (earlier). ``model.generate(ids, **{cache_keyword(model): cache})`` works on both."""
-    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile'd model wraps the original
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model wraps the original
+    check_has("cache_keyword", "model", model, ("forward",), "a transformers model")
+    forward = model.forward
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -16,8 +16,14 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from flexentropy._checks import check_int, check_layer_idx, plain
+from flexentropy.caches.conversation import ConversationIds
 from flexentropy.caches.policy_layer import PolicyLayer
 from flexentropy.policies.base import CachePolicy
+
+NEW_PROMPT = ("new prompt on a used cache: call cache.reset() (or use a new cache) before a new prompt; a later turn "
+              "of the same conversation passes generate the whole conversation (the tokens the cache holds, then the "
+              "new ones)")
+"""The end of the message that refuses a new prompt on a used cache."""
 
 
 def model_depth(model: Any, owner: str) -> int:
@@ -65,6 +71,8 @@ class PolicyCache(Cache):
         self._dims: dict[str, tuple[int, str]] = {}  # name -> (size, the call that fixed it)
         self._depth: int | None = None  # decoder layers of the model that filled the cache (`_check_depth`)
         self._hidden: dict[int, torch.Tensor] = {}
+        self.token_ids = ConversationIds()
+        self._checked_end: int | None = None  # the logical length after the forward `check_request` last passed
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r}, layers={len(self.layers)})"
@@ -81,6 +89,8 @@ class PolicyCache(Cache):
         self._dims.clear()
         self._depth = None
         self._hidden.clear()
+        self.token_ids.clear()
+        self._checked_end = None
 
     def _check_dims(self, where: str, **sizes: int) -> None:
         """Every layer and call must agree on batch size, heads and head dims; GQA needs Hq % Hkv == 0."""
@@ -141,11 +151,59 @@ class PolicyCache(Cache):
         check_int("observe_sliding", "window", window, 1)
         self._layer(layer_idx).sliding_window = window
 
-    def check_request(self, num_layers: int, batch: int, position_ids: torch.Tensor | None) -> None:
+    def observe_generate(self, input_ids: torch.Tensor, length: int, *, first: bool,
+                         embeds: int | None = None) -> None:
+        """Hand over ``generate``'s ids before one of its forwards (the hook that `flexentropy.enable` installs on
+        ``model.prepare_inputs_for_generation`` calls it), so that the cache tells a later turn of its conversation
+        from a new prompt, which it refuses with a ``ValueError`` before anything is written
+        (`flexentropy.caches.conversation`).
+
+        A forward that ``generate`` begins (its prefill, ``first``) is checked on the host: its conversation must go
+        past the tokens the cache holds and agree with the ids the cache knows of them (a batch of another size is
+        left to `check_request`, which refuses it); its ids are recorded once the forward is checked
+        (`check_request`). A decode step (one token past the cache's) is recorded as it is, with neither a copy nor
+        a host read.
+
+        Args:
+            input_ids: ``[B, T]`` ``generate``'s ids, the conversation's last ``T`` tokens (the whole conversation,
+                or with an attention mask longer than them the new tokens only, as ``generate`` takes them).
+            length: the conversation's tokens once the forward has run (``generate``'s attention mask's length; T
+                without one).
+            first: whether the forward is the first of a ``generate`` call.
+            embeds: the tokens of the ``inputs_embeds`` that a first forward takes instead of ids (None: it takes
+                the ids): they have no ids, so only their count is checked.
+        """
+        held = self._conversation()[0]
+        if held and self._dims.get("batch_size", (input_ids.shape[0],))[0] != input_ids.shape[0]:
+            return   # another batch size: `check_request` refuses it
+        if embeds is not None:
+            if held and embeds <= held:
+                raise ValueError(self._new_prompt(held, f"generate's inputs_embeds of {embeds} tokens do not go past "
+                                                        f"them"))
+            return
+        start = length - input_ids.shape[1]
+        if not first and length == held + 1:   # a decode step
+            self.token_ids.put(start, input_ids)
+            return
+        if held:
+            if length <= held:
+                raise ValueError(self._new_prompt(held, f"generate's {length} tokens do not go past them"))
+            differs = self.token_ids.first_difference(start, input_ids, held)
+            if differs is not None:
+                raise ValueError(self._new_prompt(held, f"generate's {length} tokens differ from them at token "
+                                                        f"{differs}"))
+        self.token_ids.staged = (start, input_ids)
+
+    def _new_prompt(self, held: int, why: str) -> str:
+        """The message refusing a new prompt on the cache, which holds ``held`` tokens (``why``: what is wrong)."""
+        return f"{type(self).__name__} holds a conversation of {held} tokens, and {why}: a {NEW_PROMPT}"
+
+    def check_request(self, num_layers: int, inputs: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Refuse a forward that this cache cannot serve before any of it is written, so that a refused forward leaves
         the cache as it was (its entries, lengths and counters) and the conversation it holds goes on as if the
-        forward had never come. The decoder's pre-hook that `flexentropy.enable` installs calls it before every
-        forward (`flexentropy.integrations.hf.hooks`); not while compiling.
+        forward had never come; then record the forward's ids (`observe_generate`). The decoder's pre-hook that
+        `flexentropy.enable` installs calls it before every forward (`flexentropy.integrations.hf.hooks`); not while
+        compiling.
 
         Refused with a ``ValueError``: a model of another depth than the one that filled the cache since it was made
         or last `reset` (`_check_depth`); another batch size than the conversation's; tokens that do not continue
@@ -153,17 +211,37 @@ class PolicyCache(Cache):
 
         Args:
             num_layers: decoder layers of the model that runs the forward.
-            batch: batch rows of the forward's input.
+            inputs: the forward's ``input_ids [B, q_len]`` or ``inputs_embeds [B, q_len, d]``.
             position_ids: ``[B or 1, q_len]`` the positions the model gives the forward's tokens, or None
                 (transformers then numbers them on from the cache's length: they continue it).
         """
         if torch.compiler.is_compiling():
             return
+        staged = self.token_ids.take_staged()
         held, padding = self._conversation()
+        batch, tokens = inputs.shape[:2]
         self._check_depth(num_layers, held)
         if held and "batch_size" in self._dims:
             self._check_dims(f"a forward of {batch} batch rows", batch_size=batch)
         self._check_positions(position_ids, held, padding)
+        self._checked_end = held + tokens
+        if staged is not None and staged[0] <= held and staged[0] + staged[1].shape[1] == held + tokens:
+            self.token_ids.put(*staged)
+        elif inputs.dim() == 2 and tokens > 1:   # a forward of several tokens outside generate: its ids, copied
+            self.token_ids.put(held, inputs.clone())
+
+    def _check_driven(self, layer_idx: int, tokens: int) -> None:
+        """Raise ``RuntimeError`` when ``tokens`` tokens go into layer ``layer_idx`` of a conversation that a model
+        switched by `flexentropy.enable` ran (`check_request`), in a forward that its hooks did not check: a model
+        after `flexentropy.disable` (its attention would hand over no queries, and a static phase would not
+        advance). Nothing is checked while compiling (`check_request` is not run there)."""
+        if torch.compiler.is_compiling() or self._checked_end is None:
+            return
+        if self._seen(layer_idx) + tokens <= self._checked_end:
+            return
+        raise RuntimeError(f"a model without flexentropy's hooks runs on a {type(self).__name__} that a model switched "
+                           f"by flexentropy.enable filled (after flexentropy.disable(model)?): call "
+                           f"flexentropy.enable(model) before running the model with this cache")
 
     def _conversation(self) -> tuple[int, torch.Tensor | None]:
         """``(tokens, padding)`` of the conversation the cache holds: its logical length, the host's int (0: none),
@@ -205,8 +283,7 @@ class PolicyCache(Cache):
             raise ValueError(
                 f"{type(self).__name__} already holds a conversation of {held} tokens, but the "
                 f"{position_ids.shape[-1]} new tokens of batch row {row} start at position {int(starts[row])}, not "
-                f"{int(expected[row])}: a new prompt on a used cache. Call cache.reset() (or use a new cache) before "
-                f"a new prompt; for a later turn of the same conversation, pass the whole conversation to generate"
+                f"{int(expected[row])}: a {NEW_PROMPT}"
             )
 
     @property
@@ -245,7 +322,13 @@ class PolicyCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states [B, Hkv, q_len, D]``, ``value_states [B, Hkv, q_len, Dv]`` to layer ``layer_idx``
         (deciding first when due) and return the layer's stored ``(keys, values)``, ``[B, Hkv, S, D]``."""
-        return self.checked_layer(key_states, value_states, layer_idx).update(key_states, value_states)
+        layer = self.checked_layer(key_states, value_states, layer_idx)
+        self._check_driven(layer_idx, key_states.shape[-2])
+        return layer.update(key_states, value_states)
+
+    def _seen(self, layer_idx: int) -> int:
+        """Tokens layer ``layer_idx`` has seen (0 before its first ``update``)."""
+        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
 
     def checked_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> PolicyLayer:
         """Layer ``layer_idx``, once an ``update`` of ``key_states`` and ``value_states`` is checked (shapes, dims
@@ -254,6 +337,9 @@ class PolicyCache(Cache):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[2] == 0:
                 got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise ValueError(f"update expects {name} [B, Hkv, q_len >= 1, D], got {got}")
+            if not tensor.is_floating_point():
+                raise TypeError(f"update expects floating {name} (float16/bfloat16/float32/float64, the attention's "
+                                f"projections), got {tensor.dtype}")
         where = f"update(layer_idx={layer_idx}) key_states {list(key_states.shape)}"
         if value_states.shape[:3] != key_states.shape[:3]:
             raise ValueError(f"{where}: expected value_states [B, Hkv, q_len, Dv] = {list(key_states.shape[:3])} "
@@ -264,6 +350,52 @@ class PolicyCache(Cache):
         if self.policy.uses_queries and previous is not None and previous.seen and not previous.observed:
             previous.missing_queries()  # its attention ran without handing over queries: fail at the first forward
         return self._layer(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused (``NotImplementedError``) unless it removes nothing: ``crop(-k)`` would remove the last ``k``
+        tokens, ``crop(n)`` with ``n > 0`` keep the first ``n`` (transformers 5.17's form), and what the cache keeps
+        (the policy's choice of entries, the window of recent queries that scores them, the counters its decisions
+        follow) depends on every token it has seen, which cropping cannot undo. ``crop(0)`` changes nothing."""
+        tokens_to_remove = check_int("crop", "tokens_to_remove", tokens_to_remove, None)
+        held = self._conversation()[0]
+        if tokens_to_remove == 0 or not held or tokens_to_remove >= held:
+            return
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot crop: what it keeps (its policy's choice of entries, the window of recent "
+            f"queries that scores them, the counters its decisions follow) depends on every token it has seen, which "
+            f"cropping cannot undo. To go back to the conversation's first tokens, call cache.reset() and run them "
+            f"again (generate with them); assisted decoding, which crops after each step, needs transformers' "
+            f"DynamicCache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (row ``i`` becomes rows ``i * repeats ..``), as
+        transformers' caches do (e.g. for ``num_return_sequences``): entries, positions, query windows, padding,
+        statistics and the conversation's ids."""
+        repeats = check_int("batch_repeat_interleave", "repeats", repeats, 1)
+        batch = self._dims.get("batch_size", (0, ""))[0]
+        self._select_rows(torch.arange(batch).repeat_interleave(repeats), f"batch_repeat_interleave({repeats})")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (int64 ``[R]``, repeats allowed, or a bool mask ``[B]``) in place, as
+        transformers' caches do."""
+        batch = self._dims.get("batch_size", (0, ""))[0]
+        rows = torch.as_tensor(indices)
+        if rows.dtype == torch.bool and rows.shape == (batch,):
+            rows = rows.nonzero().flatten()
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or \
+                (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < batch):
+            raise ValueError(f"batch_select_indices expects int64 indices [R] in [0, {batch}) or a bool mask "
+                             f"[{batch}], got {rows.dtype} {list(rows.shape)}")
+        self._select_rows(rows.long(), "batch_select_indices")
+
+    def _select_rows(self, rows: torch.Tensor, where: str) -> None:
+        """Batch rows ``rows`` of everything held per row (`PolicyLayer.reorder_cache`); the batch size they make."""
+        if "batch_size" not in self._dims:
+            return   # nothing held
+        for layer in self.layers:
+            layer.reorder_cache(rows)
+        self.token_ids.select_rows(rows)
+        self._dims["batch_size"] = (rows.numel(), where)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
                scale: float | None = None) -> torch.Tensor:

@@ -183,6 +183,11 @@ class StaticLatentKVCache(LatentKVCache):
                              f"{num_layers} layers runs on it: pass model= (or num_layers= the model's count of "
                              f"attention layers)")
 
+    def _seen(self, layer_idx: int) -> int:
+        """Tokens layer ``layer_idx`` has seen: its own count on the dynamic path, the conversation's in a static
+        stage (every layer's, counted after the step)."""
+        return self.layers[layer_idx].seen if self.phase.buffers is None else self.phase.conversation()[0]
+
     def _check_layer_idx(self, layer_idx: int) -> None:
         if layer_idx >= len(self.layers):
             raise ValueError(f"{type(self).__name__} was built for {len(self.layers)} layers, got layer_idx "
@@ -194,6 +199,7 @@ class StaticLatentKVCache(LatentKVCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_layer_idx(layer_idx)
+        self._check_driven(layer_idx, key_states.shape[-2])
         return self.phase.update(key_states, value_states, layer_idx)
 
     def attend(self, query: torch.Tensor, layer_idx: int, attention_mask: torch.Tensor | None = None,
@@ -235,3 +241,8 @@ class StaticLatentKVCache(LatentKVCache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support beam search; use LatentKVCache")
+
+    def _select_rows(self, rows: torch.Tensor, where: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps its batch rows in buffers of its batch size and does "
+                                  f"not repeat or select them ({where}): call cache.reset() and run the prompt with "
+                                  f"the rows you want, or use LatentKVCache")

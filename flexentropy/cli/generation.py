@@ -24,9 +24,10 @@ def eos_ids(model: Any) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) -> float:
+def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None, desc: str = "warm-up") -> float:
     """One forward over the first ``length`` prompt tokens (compiles kernels, fills allocators); seconds.
-    ``attention_mask`` (``[B, N]``, 0 for left padding) is cut like ``prompt``.
+    ``attention_mask`` (``[B, N]``, 0 for left padding) is cut like ``prompt``. A progress bar named ``desc``
+    advances per attention layer (the first sparse layer's compile is most of a CPU warm-up).
 
     It writes into a throwaway `DynamicCache` so that keys and values reach the kernels in the layout a cache gives
     them (contiguous), as in the timed run: without a cache they are strided views, and the compiled kernel would
@@ -34,15 +35,21 @@ def warm_up(model: Any, prompt: Any, length: int, attention_mask: Any = None) ->
     would take ``B * N * V`` values (64 GiB in bf16 for 8 rows of 16k tokens over Gemma-3's 262k vocabulary).
     """
     import torch
+    from tqdm.auto import tqdm
     from transformers import DynamicCache
 
-    from flexentropy.integrations.hf import cache_keyword
+    from flexentropy.cli.progress import after_each_layer
+    from flexentropy.integrations.hf import attention_modules, cache_keyword
 
+    bar = tqdm(total=len(attention_modules(model)), desc=desc, unit="layer", leave=False, file=sys.stderr)
     start = time.perf_counter()
-    with torch.no_grad():
-        mask = None if attention_mask is None else attention_mask[:, :length]
-        model(prompt[:, :length], attention_mask=mask, **{cache_keyword(model): DynamicCache(config=model.config)},
-              use_cache=True, logits_to_keep=1)
+    try:
+        with torch.no_grad(), after_each_layer(model, lambda: bar.update(1)):
+            mask = None if attention_mask is None else attention_mask[:, :length]
+            model(prompt[:, :length], attention_mask=mask,
+                  **{cache_keyword(model): DynamicCache(config=model.config)}, use_cache=True, logits_to_keep=1)
+    finally:
+        bar.close()
     return time.perf_counter() - start
 
 

@@ -136,6 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.needle_depth <= 1.0:
         raise InputError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     if args.prompt_file is not None:
+        if args.prompt_file.is_dir():
+            raise InputError(f"--prompt-file {args.prompt_file} is a folder; give a text file")
         if not args.prompt_file.is_file():
             raise InputError(f"prompt file not found: {args.prompt_file}")
         try:
@@ -150,12 +152,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_writable(path: Path) -> None:
-    """Raise `InputError` unless a file can be written at ``path`` (checked before a long run, not after it)."""
+    """Raise `InputError` unless a file can be written at ``path`` (checked before a long run, not after it), in a
+    folder that exists (none is made)."""
     path = path.expanduser()
     if path.is_dir():
         raise InputError(f"--json {path} is a folder; give a file path")
+    if not path.parent.exists():
+        raise InputError(f"--json {path}: the folder {path.parent} does not exist; create it first "
+                         f"(mkdir -p {path.parent})")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
             pass
     except OSError as err:
@@ -219,7 +224,7 @@ def run_once(name: str, model: Any, tokenizer: Any, prompt: Any, cache: Any, nee
 
     from flexentropy.cli.generation import cache_bytes, generate_timed, warm_up
 
-    warmup = warm_up(model, prompt, warmup_length)
+    warmup = warm_up(model, prompt, warmup_length, desc=f"{name} warm-up")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     new, prefill, decode = generate_timed(model, tokenizer, prompt, cache, args.max_new_tokens, name)
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs

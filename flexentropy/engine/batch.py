@@ -4,17 +4,18 @@ model's step driver (`flexentropy.engine.driver`). transformers is imported insi
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int, is_int
+from flexentropy._checks import check_bool, check_int, is_int
+from flexentropy.config import check_config
 from flexentropy.engine.driver import step_driver
 from flexentropy.engine.loops import decode_settings, served_config
 
 
-def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: int, *, rows: int = 8,
+def generate_batch(model: Any, prompts: Iterable[torch.Tensor], max_new_tokens: int, *, rows: int = 8,
                    config: Any = None, cache: Any = None, eos_token_id: int | Sequence[int] | None = None,
                    compile_config: Any = None, compiled: bool | None = None) -> list[torch.Tensor]:
     """Greedy decoding of many prompts, up to ``rows`` at a time in one batched step.
@@ -33,7 +34,8 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
 
     Args:
         model: an HF causal LM switched by `flexentropy.enable`.
-        prompts: int64 token ids, ``[N_i]`` each (any lengths).
+        prompts: int64 token ids, ``[N_i]`` each (any lengths): a list, or any iterable (a generator is read once,
+            before the first prompt runs).
         max_new_tokens: most tokens per prompt, its prompt's greedy next token included.
         rows: batch rows decoded together: the batch size of the one recorded step, whatever the number of prompts
             (rows without a prompt idle through it), so that a warm-up with a few prompts records the step that
@@ -54,13 +56,19 @@ def generate_batch(model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: 
 
     max_new_tokens = check_int("generate_batch", "max_new_tokens", max_new_tokens, 1)
     rows = check_int("generate_batch", "rows", rows, 1)
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Iterable):
+        got = f"a tensor {list(prompts.shape)}" if isinstance(prompts, torch.Tensor) else type(prompts).__name__
+        raise TypeError(f"generate_batch takes prompts as a list (or any iterable) of int64 token id tensors [N], got "
+                        f"{got}: pass [ids] for one prompt, list(ids) for the rows of a [B, N] batch")
+    prompts = list(prompts)
+    check_bool("generate_batch", "compiled", compiled, optional=True)
     for index, ids in enumerate(prompts):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.numel() == 0:
             got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"generate_batch expects each prompt as int64 token ids [N >= 1]; prompt {index} is {got}")
     if cache is not None and not isinstance(cache, StaticLatentKVCache):
         raise TypeError(f"generate_batch serves with a StaticLatentKVCache, got {type(cache).__name__}")
-    config = served_config(model, cache) if config is None else config
+    config = served_config(model, cache) if config is None else check_config(config, "generate_batch")
     config = config.replace(decode_delay=0)
     cache = StaticLatentKVCache(config, model=model) if cache is None else cache
     if cache.config.decode_delay != 0 or cache.config != config:

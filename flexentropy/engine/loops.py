@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int, check_tokens
+from flexentropy._checks import check_bool, check_int, check_tokens
 from flexentropy.engine.driver import step_driver
 from flexentropy.settings import model_settings
 
@@ -63,6 +63,7 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tok
 
     max_new_tokens = check_int("greedy_generate", "max_new_tokens", max_new_tokens, 1)
     check_tokens("greedy_generate", "input_ids", input_ids)
+    check_bool("greedy_generate", "compiled", compiled, optional=True)
     if input_ids.dtype != torch.long:
         raise ValueError(f"greedy_generate expects input_ids int64 [B, N], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")

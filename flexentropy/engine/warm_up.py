@@ -9,13 +9,14 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flexentropy._checks import check_int
+from flexentropy._checks import check_bool, check_int, is_int
+from flexentropy.config import check_config
 from flexentropy.engine.loops import greedy_generate, served_config
 
 FLASH_KERNEL_CACHE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -55,7 +56,17 @@ def load_artifacts(path: Path) -> None:
                       f"the file anew", stacklevel=3)
 
 
-def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = None, batch_size: int = 1,
+def shown(lengths: list[int], desc: str) -> Iterable[int]:
+    """``lengths``, through a progress bar on stderr where tqdm is installed and stderr is a terminal (none in logs
+    or under pytest's capture: tqdm's ``disable=None``)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lengths
+    return tqdm(lengths, desc=desc, unit="prompt", leave=False, disable=None, file=sys.stderr)
+
+
+def warm_up(model: Any, lengths: int | Iterable[int] | None = None, *, config: Any = None, batch_size: int = 1,
             new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
             cache: Any = None, artifacts: str | os.PathLike[str] | None = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
@@ -71,14 +82,17 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     decode step was recorded with (CUDA graphs), so serving with it and ``cache.reset()`` between requests records
     nothing new.
 
+    Where tqdm is installed (the ``hf`` extra) and stderr is a terminal, a progress bar names the lengths and counts
+    the prompts done.
+
     flash-attn-4 compiles its CuTe kernels again in every process unless its persistent kernel cache is on: `warm_up`
     turns it on (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``, `keep_flash_kernels`) where the variable is unset and
     flash-attn-4 is not imported yet; set the variable to ``0`` to keep it off.
 
     Args:
         model: an HF causal LM switched by `flexentropy.enable`.
-        lengths: prompt lengths to run (default: two lengths just above ``dense_prefix``, one not a multiple of the
-            block size).
+        lengths: prompt lengths to run, a list of ints or one int (default: two lengths just above
+            ``dense_prefix``, one not a multiple of the block size).
         config: the `EntropyConfig` of the served caches (default: the model's, as `enable` stored it).
         batch_size: rows of the served batches (the decode graphs are per batch size).
         new_tokens: tokens generated per warm-up prompt (default: enough to reach the static phase and one
@@ -103,12 +117,17 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
 
     if cache is not None and not isinstance(cache, StaticLatentKVCache):
         raise TypeError(f"warm_up warms a StaticLatentKVCache, got {type(cache).__name__}")
-    if config is None:
-        config = served_config(model, cache)
+    config = served_config(model, cache) if config is None else check_config(config, "warm_up")
     if lengths is None:
         start = config.dense_prefix + config.segment_size
         lengths = (start + config.block_size, 2 * start + config.block_size // 2 + 1)
+    elif is_int(lengths):
+        lengths = (lengths,)
+    elif isinstance(lengths, str | bytes) or not isinstance(lengths, Iterable):
+        raise TypeError(f"warm_up takes lengths as prompt lengths in tokens: a list of ints (e.g. [8192, 12345]) or "
+                        f"one int, got {type(lengths).__name__} {lengths!r}")
     batch_size = check_int("warm_up", "batch_size", batch_size, 1)
+    check_bool("warm_up", "loop", loop)
     lengths = [check_int("warm_up", "length", length, 1) for length in lengths]
     if new_tokens is None:
         new_tokens = config.decode_delay + (config.recompress_every or 0) + 2
@@ -121,7 +140,7 @@ def warm_up(model: Any, lengths: Sequence[int] | None = None, *, config: Any = N
     keep_flash_kernels()
     serving = StaticLatentKVCache(config, model=model) if cache is None else cache
     seconds = {}
-    for length in lengths:
+    for length in shown(lengths, f"warm_up ({', '.join(map(str, lengths))} tokens)"):
         ids = torch.randint(min(3, text.vocab_size - 1), text.vocab_size, (batch_size, length), generator=generator)
         serving.reset()
         start_time = time.perf_counter()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexentropy._checks import check_scale
+from flexentropy._checks import check_heads, check_scale
 from flexentropy.sparse.kernel import flash_available
 
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
@@ -131,16 +131,15 @@ def decode_attention(
         query: ``[B, Hq, L, D]`` post-RoPE queries of the tokens whose keys are the last ``L`` entries of ``keys``.
         keys: ``[B, Hkv, T, D]``, ``T >= L``, ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head
             ``h // (Hq // Hkv)``).
-        values: ``[B, Hkv, T, Dv]``.
+        values: ``[B, Hkv, T, Dv]``. The three: floating tensors (float16, bfloat16, float32 or float64) of one
+            dtype and device.
         scale: softmax scale, a finite number > 0 (default ``1 / sqrt(D)``).
 
     Returns:
         ``[B, Hq, L, Dv]`` in the query's dtype. Query ``i`` attends to the ``T - L`` earlier entries and,
         causally, to the chunk's entries ``T - L .. T - L + i``; ``L = 1`` (plain decoding) uses no mask.
     """
-    if query.dim() != 4 or keys.dim() != 4 or values.dim() != 4:
-        raise ValueError(f"query [B, Hq, L, D], keys [B, Hkv, T, D] and values [B, Hkv, T, Dv] must be 4-D, got "
-                         f"{list(query.shape)}, {list(keys.shape)}, {list(values.shape)}")
+    check_heads([("query", query), ("keys", keys), ("values", values)])
     batch, q_heads, q_len, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if keys.shape[0] != batch or keys.shape[3] != dim or values.shape[:3] != keys.shape[:3]:

@@ -14,6 +14,7 @@ registry below. Nothing here imports transformers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -69,6 +70,23 @@ def _lookup(registry: dict[str, type], kind: str, name: object) -> type:
     return registry[name]
 
 
+def unknown_knobs(kind: str, policy: str, given: Iterable[str], names: Iterable[str]) -> str | None:
+    """None if every name of ``given`` is in ``names``, else the message that names the unknown ones and the
+    ``kind`` (prefill or cache) policy's own knobs: ``"prefill policy 'xattention' has no knob(s) ['treshold']; its
+    knobs: threshold, stride, ..."``."""
+    names = tuple(names)
+    unknown = sorted(set(given) - set(names), key=str)
+    if not unknown:
+        return None
+    takes = f"its knobs: {', '.join(names)}" if names else "it takes no knobs"
+    return f"{kind} policy {policy!r} has no knob(s) {unknown}; {takes}"
+
+
+def prefill_knob_names(policy: str) -> tuple[str, ...]:
+    """The names of the prefill policy ``policy``'s own knobs (its fields but ``config``; `PrefillPolicy.knobs`)."""
+    return tuple(f.name for f in fields(_lookup(PREFILL_POLICIES, "prefill", policy)) if f.name != "config")
+
+
 def make_prefill(policy: str | PrefillPolicy = "entropy", config: EntropyConfig | None = None,
                  **knobs: Any) -> PrefillPolicy:
     """A prefill policy by name (or a policy object, returned as is when no other argument is given).
@@ -77,14 +95,17 @@ def make_prefill(policy: str | PrefillPolicy = "entropy", config: EntropyConfig 
         policy: a name of `PREFILL_POLICIES` or a `PrefillPolicy`.
         config: the shared `EntropyConfig` (geometry, budgets, dense fallbacks); default ``EntropyConfig()``.
         knobs: the policy's own knobs (e.g. ``window=`` for ``"streaming"``) and/or `EntropyConfig` fields, which
-            are applied to ``config``.
+            are applied to ``config``; a name that is neither is a `TypeError` that lists the policy's knobs.
     """
     if isinstance(policy, PrefillPolicy):
         if config is not None or knobs:
             raise TypeError("pass either a PrefillPolicy object or a name with config/knobs, not both")
         return policy
     cls = _lookup(PREFILL_POLICIES, "prefill", policy)
-    own = {f.name for f in fields(cls)} - {"config"}
+    own = prefill_knob_names(policy)
+    wrong = unknown_knobs("prefill", policy, set(knobs) - {f.name for f in fields(EntropyConfig)}, own)
+    if wrong:
+        raise TypeError(f"{wrong}; EntropyConfig's fields are taken too (set on config)")
     config = check_config(config, optional=True)
     config_knobs = {k: v for k, v in knobs.items() if k not in own}
     if config_knobs:
@@ -110,11 +131,9 @@ def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
             raise TypeError("pass either a CachePolicy object or a name with knobs, not both")
         return policy
     cls = _lookup(CACHE_POLICIES, "cache", policy)
-    names = cls.knob_names()
-    unknown = set(knobs) - set(names)
-    if unknown:
-        takes = f"its knobs: {', '.join(names)}" if names else "it takes no knobs"
-        raise TypeError(f"cache policy {policy!r} has no knob(s) {sorted(unknown)}; {takes}")
+    wrong = unknown_knobs("cache", policy, knobs, cls.knob_names())
+    if wrong:
+        raise TypeError(wrong)
     return cls.from_knobs(**knobs)
 
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from flexentropy._checks import check_layer_idx, check_qk, check_scale, plain_fields
+from flexentropy._checks import check_bool, check_layer_idx, check_qk, check_scale, plain_fields
 from flexentropy.config import EntropyConfig, check_config
 from flexentropy.kv.keep import keep_indices
 from flexentropy.policies.layer_view import LayerView
@@ -103,10 +103,8 @@ class PrefillPolicy:
         ``q_start ..``) over ``k [B, Hkv, q_start + M, D]``, post-RoPE; ``dense=True`` where the layer runs dense
         (`runs_dense`), else the rule's `sparse_plan`. ``compiled``: run the rule's selection compiled where it has a
         compiled graph (the entropy rules: default on CUDA)."""
-        check_qk(q, k, q_start=q_start)
-        check_layer_idx(layer_idx, optional=True)
-        plan = self.layer_plan(q, k, layer_idx, compiled)
-        return dense_plan(q, self.config, q_start) if plan is None else plan
+        check_plan_call(type(self).__name__ + ".plan", q, k, layer_idx, compiled, q_start)
+        return self.full_plan(q, k, layer_idx, compiled)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int | None = None, *,
                   scale: float | None = None, compiled: bool = True, plan: SparsePlan | None = None,
@@ -114,8 +112,8 @@ class PrefillPolicy:
         """``[B, Hq, M, Dv]``: the attention of the queries ``q [B, Hq, M, D]`` (positions ``q_start ..``) over
         ``k``, ``v [B, Hkv, q_start + M, D]`` under this rule (`run`), or under ``plan`` when given (e.g. from `plan`
         with the same ``q_start``). Arguments as ``fe.sparse_prefill_attention``'s."""
-        q, k, v, scale = check_prefill_call(type(self).__name__ + ".attention", q, k, v, layer_idx, scale, plan,
-                                            q_start)
+        q, k, v, scale = check_prefill_call(type(self).__name__ + ".attention", q, k, v, layer_idx, scale, compiled,
+                                            plan, q_start)
         return self.run(q, k, v, layer_idx, scale=scale, compiled=compiled, plan=plan)[0]
 
     def layer_plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int | None,
@@ -125,6 +123,13 @@ class PrefillPolicy:
         if q.shape[-2] == 0 or self.runs_dense(layer_idx, k.shape[-2]):
             return None
         return self.sparse_plan(q, k, compiled)
+
+    def full_plan(self, q: torch.Tensor, k: torch.Tensor, layer_idx: int | None,
+                  compiled: bool | None = None) -> SparsePlan:
+        """`layer_plan`, with the plan of every causal block (``dense=True``) where the layer runs dense, on checked
+        arguments (`plan`'s)."""
+        plan = self.layer_plan(q, k, layer_idx, compiled)
+        return dense_plan(q, self.config, k.shape[-2] - q.shape[-2]) if plan is None else plan
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int | None, *,
             scale: float | None = None, compiled: bool = True, plan: SparsePlan | None = None,
@@ -144,7 +149,7 @@ class PrefillPolicy:
                                  "call it under torch.no_grad() or torch.inference_mode()")
             if not torch.is_grad_enabled():   # no graph is built here; CPU flex refuses such inputs in any grad mode
                 q, k, v = q.detach(), k.detach(), v.detach()
-        if q.shape[-2] == 0:
+        if q.shape[-2] == 0 or q.is_meta:     # no query, or meta tensors (shapes without data): the output's shape
             return q.new_empty(q.shape[:-1] + (v.shape[-1],)), None
         if not torch.compiler.is_compiling():   # Inductor's CPU code fails on keys in the queries' memory (issue 77)
             k, v = (t.clone() if t is not q and overlapping(t, q) else t for t in (k, v))
@@ -175,16 +180,26 @@ def overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
+def check_plan_call(owner: str, q: torch.Tensor, k: torch.Tensor, layer_idx: int | None, compiled: object,
+                    q_start: int) -> None:
+    """The checks of a public call for a plan (``owner`` names it in the messages), once: ``q``, ``k`` and ``q_start``
+    agree, ``layer_idx`` is an int >= 0 or None, ``compiled`` a bool or None."""
+    check_qk(q, k, q_start=q_start)
+    check_layer_idx(layer_idx, optional=True)
+    check_bool(owner, "compiled", compiled, optional=True)
+
+
 def check_prefill_call(owner: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int | None,
-                       scale: object, plan: SparsePlan | None, q_start: int
+                       scale: object, compiled: object, plan: SparsePlan | None, q_start: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
     """The checks of a public prefill call (``owner`` names it in the messages), once: ``q``, ``k``, ``v`` and
     ``q_start`` agree, ``layer_idx`` is an int >= 0 or None, ``scale`` None or a finite number > 0 (returned as
-    Python's float: a numpy number would reach the compiled kernel as a constant it cannot take), ``plan`` None or
-    a `SparsePlan` of these queries and keys. Returns ``(q, k, v, scale)``."""
+    Python's float: a numpy number would reach the compiled kernel as a constant it cannot take), ``compiled`` a
+    bool, ``plan`` None or a `SparsePlan` of these queries and keys. Returns ``(q, k, v, scale)``."""
     check_qk(q, k, v, q_start=q_start)
     check_layer_idx(layer_idx, optional=True)
     scale = check_scale(owner, scale)
+    check_bool(owner, "compiled", compiled)
     if plan is not None:
         check_plan(plan, q, k, q_start)
     return q, k, v, scale

@@ -14,6 +14,10 @@ own caches unchanged.
 - ``model.get_compiled_call`` (what ``generate`` decodes with) runs the one-token steps of a `StaticLatentKVCache`
   through the model's `StepDriver` (`step_driver`: recorded once per stage and replayed on CUDA), and the other
   forwards of such a cache (a later turn) eagerly; other caches get transformers' own compiled call.
+- ``model.prepare_inputs_for_generation`` (what ``generate`` prepares every forward's inputs with, from the whole
+  conversation's ids) hands a `PolicyCache` those ids first (`GenerateIds`, `PolicyCache.observe_generate`): the
+  cache refuses a new prompt on a used cache, which the forward cannot tell from a later turn (``generate`` feeds only
+  the tokens past the cache's length).
 - ``model.create_masks_for_generate`` (what ``generate`` builds a compileable cache's 4D mask with before every
   step) hands a `StaticLatentKVCache`'s one-token steps their 2D mask as it is: their attention reads the cache's
   own validity, and the mask would be host work in every step.
@@ -68,6 +72,8 @@ def install(model: nn.Module, attention: list[nn.Module]) -> None:
     handles.extend(_signal_hooks(model))
     if hasattr(model, "get_compiled_call"):
         model.get_compiled_call = StaticStepRouting(model)
+    if hasattr(model, "prepare_inputs_for_generation"):
+        model.prepare_inputs_for_generation = GenerateIds(model)
     model.create_masks_for_generate = StaticStepMasks(model)
     setattr(model, HOOKS_ATTR, handles)
 
@@ -80,8 +86,8 @@ def remove(model: nn.Module) -> bool:
         return False
     for handle in handles:
         handle.remove()
-    vars(model).pop("get_compiled_call", None)
-    vars(model).pop("create_masks_for_generate", None)
+    for name in ("get_compiled_call", "prepare_inputs_for_generation", "create_masks_for_generate"):
+        vars(model).pop(name, None)
     forget_drivers(model)
     return True
 
@@ -128,7 +134,7 @@ def begin_undriven_step(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
                          f"sequence again at every step (as generate(use_cache=False) does), which a cache that keeps "
                          f"what it saw cannot serve. Pass use_cache=True (generate's default) with the cache, or no "
                          f"cache with use_cache=False")
-    cache.check_request(module.config.num_hidden_layers, tokens.shape[0], kwargs.get("position_ids"))
+    cache.check_request(module.config.num_hidden_layers, tokens, kwargs.get("position_ids"))
     if isinstance(cache, StaticLatentKVCache) and not kwargs.get(DRIVER_KWARG):
         eager(begin_step, cache, tokens.shape[1])
 
@@ -167,6 +173,33 @@ class StaticStepRouting:
             return driver(tokens, positions, cache)
 
         return call
+
+
+class GenerateIds:
+    """``model.prepare_inputs_for_generation`` of a switched model (what ``generate`` prepares each forward's inputs
+    with, from the ids of the whole conversation): hands a `PolicyCache` those ids first
+    (`PolicyCache.observe_generate`: a new prompt on a used cache is refused there), then prepares the inputs as the
+    model's class does. Its signature is the class's (``generate`` reads it to see which inputs the model takes,
+    ``inputs_embeds`` among them)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.model).prepare_inputs_for_generation.__get__(self.model))
+
+    def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = cache_argument(kwargs)
+        if isinstance(cache, PolicyCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            mask, embeds = kwargs.get("attention_mask"), kwargs.get("inputs_embeds")
+            first = bool(kwargs.get("is_first_iteration"))
+            length = input_ids.shape[1]
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:   # longer: input_ids are the new tokens only
+                length = max(length, mask.shape[1])
+            cache.observe_generate(input_ids, length, first=first,
+                                   embeds=embeds.shape[1] if first and isinstance(embeds, torch.Tensor) else None)
+        return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
 
 
 class StaticStepMasks:

@@ -9,12 +9,15 @@ use, once for all its modules (`read_settings`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from flexentropy._checks import check_has
 from flexentropy.config import EntropyConfig
+from flexentropy.integrations.hf.tensor_parallel import ATTENTION_MODULE
 from flexentropy.policies import PrefillPolicy
 from flexentropy.policies.base import PlanEdit
 from flexentropy.settings import CONFIG_ATTR, Settings, read_settings
@@ -64,16 +67,19 @@ class LayerState:
 
     @property
     def density(self) -> float | None:
-        """Computed / causal key blocks of the layer's last prefill (mean over batch rows; 1.0 when dense)."""
+        """Computed / causal key blocks of the layer's last prefill (mean over batch rows; 1.0 when dense); None
+        before any prefill, NaN after a sparse one on meta tensors (shapes without data)."""
         if not self.densities:
             return None
-        return sum(1.0 if d is None else float(d) for d in self.densities) / len(self.densities)
+        rows = [1.0 if d is None else math.nan if d.is_meta else float(d) for d in self.densities]
+        return sum(rows) / len(rows)
 
 
 def layer_state(module: nn.Module) -> LayerState:
     """The module's `LayerState`: `enable`'s, or on first use one parsed from the record on its config."""
     state = getattr(module, STATE_ATTR, None)
     if state is None:
+        check_has("layer_state", "module", module, ("config", "layer_idx"), ATTENTION_MODULE)
         state = LayerState(read_settings(getattr(module.config, CONFIG_ATTR, None)))
         setattr(module, STATE_ATTR, state)
     return state
@@ -87,9 +93,11 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 def prefill_density(model: nn.Module) -> float | None:
     """Mean density of the last prefill over the layers that recorded one (None if none did).
 
-    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out. Under tensor
-    parallelism it is over this rank's heads (`local_heads`).
+    Density is computed / causal key blocks; dense layers count 1.0, sliding-window layers are left out; NaN when a
+    layer ran sparse on meta tensors (shapes without data). Under tensor parallelism it is over this rank's heads
+    (`local_heads`).
     """
+    check_has("prefill_density", "model", model, ("named_modules",), "a transformers model (an nn.Module)")
     densities = [s.density for m in attention_modules(model)
                  if (s := getattr(m, STATE_ATTR, None)) is not None and s.density is not None]
     return sum(densities) / len(densities) if densities else None

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from flexentropy._checks import check_int
+from flexentropy._checks import check_bool, check_int
 from flexentropy.config import EntropyConfig
 from flexentropy.integrations.hf import hooks
 from flexentropy.integrations.hf.attention import attention_forward
@@ -102,6 +102,7 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
         check_prefill(prefill)
     policy = prefill_policy(prefill, config)
     config = policy.config
+    check_bool("enable", "keep_plans", keep_plans)
     if mlp_chunk is not None:
         check_int("enable", "mlp_chunk", mlp_chunk, 1)
     check_supported(model.config)

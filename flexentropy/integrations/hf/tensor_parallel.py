@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexentropy._checks import check_has
+
+ATTENTION_MODULE = "an attention module of a transformers model (e.g. model.model.layers[0].self_attn)"
+"""What `local_heads` and `layer_state` take (for their messages)."""
+
 
 def local_heads(module: nn.Module) -> tuple[range, range]:
     """``(query heads, KV heads)``: the model's heads, as global indices, that this process's attention ``module``
@@ -28,6 +33,8 @@ def local_heads(module: nn.Module) -> tuple[range, range]:
     Raises:
         ValueError: the sharding splits a head, or a rank's query heads read KV heads of another rank.
     """
+    check_has("local_heads", "module", module, ("num_key_value_groups", "head_dim", "q_proj", "k_proj", "layer_idx"),
+              ATTENTION_MODULE)
     group = module.num_key_value_groups
     query = _sharded_heads(module.q_proj.weight, module.head_dim, "q_proj")
     kv = _sharded_heads(module.k_proj.weight, module.head_dim, "k_proj")

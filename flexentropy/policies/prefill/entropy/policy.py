@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.policies.base import PrefillPolicy, check_prefill_call
+from flexentropy.policies.base import PrefillPolicy, check_plan_call, check_prefill_call
 from flexentropy.policies.prefill.entropy.selection import plan_blocks
 from flexentropy.sparse.plan import SparsePlan
 
@@ -72,7 +72,9 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer
         `SparsePlan` with the block table (rows: the query blocks holding the queries), budgets, entropies and
         rigid-head flags.
     """
-    return EntropyPrefill(check_config(config)).plan(q, k, layer_idx, q_start=q_start, compiled=compiled)
+    policy = EntropyPrefill(check_config(config))
+    check_plan_call("select_blocks", q, k, layer_idx, compiled, q_start)
+    return policy.full_plan(q, k, layer_idx, compiled)
 
 
 def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: EntropyConfig,
@@ -101,12 +103,13 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q_start: position of the first query, an int >= 0 (0: a whole prompt).
 
     Returns:
-        ``[B, Hq, M, D]`` in ``q.dtype``.
+        ``[B, Hq, M, D]`` in ``q.dtype`` (on meta tensors, which hold no data, an empty one of that shape).
 
     On CPU it is inference-only (flex attention has no CPU backward): inputs that require grad are refused while
     grad is enabled. Under ``torch.no_grad()`` or ``torch.inference_mode()`` they run detached on every device,
     since no graph is built there (the output requires no grad, as any op's there).
     """
     policy = EntropyPrefill(check_config(config))
-    q, k, v, scale = check_prefill_call("sparse_prefill_attention", q, k, v, layer_idx, scale, plan, q_start)
+    q, k, v, scale = check_prefill_call("sparse_prefill_attention", q, k, v, layer_idx, scale, compiled, plan,
+                                        q_start)
     return policy.run(q, k, v, layer_idx, scale=scale, compiled=compiled, plan=plan)[0]

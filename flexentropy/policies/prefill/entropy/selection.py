@@ -67,7 +67,7 @@ def _select(a_obs: torch.Tensor, config: EntropyConfig, rows: torch.Tensor, q_st
 
 
 def _observe(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, compiled: bool = False) -> torch.Tensor:
-    kernel = config.probe_kernel
+    kernel = config.probe_kernel and not q.is_meta   # meta tensors (shapes without data): flex has no meta form
     if kernel is None:   # auto: the kernel builds its BlockMask eagerly, so not inside an enclosing compiled graph
         kernel = q.is_cuda and not torch.compiler.is_compiling()
     return _observation(q, k, config.segment_size, config.block_size, config.observation, config.observation_scale,

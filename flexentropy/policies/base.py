@@ -149,9 +149,9 @@ class PrefillPolicy:
                                  "call it under torch.no_grad() or torch.inference_mode()")
             if not torch.is_grad_enabled():   # no graph is built here; CPU flex refuses such inputs in any grad mode
                 q, k, v = q.detach(), k.detach(), v.detach()
-        if q.shape[-2] == 0 or q.is_meta:     # no query, or meta tensors (shapes without data): the output's shape
+        if q.shape[-2] == 0:
             return q.new_empty(q.shape[:-1] + (v.shape[-1],)), None
-        if not torch.compiler.is_compiling():   # Inductor's CPU code fails on keys in the queries' memory (issue 77)
+        if not (q.is_meta or torch.compiler.is_compiling()):   # Inductor's CPU code fails on keys in q's memory
             k, v = (t.clone() if t is not q and overlapping(t, q) else t for t in (k, v))
         if plan is None:
             plan = self.layer_plan(q, k, layer_idx)
@@ -213,13 +213,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan |
 
     A sparse plan, and a dense chunk (SDPA's ``is_causal`` is top-left aligned; no M x N mask is built), run the
     block-sparse kernel (`run_plan`, with ``config``'s backend; ``compiled=False``: eager flex, M x N scores, small
-    N only); a whole prompt's dense attention runs SDPA's causal kernel."""
+    N only); a whole prompt's dense attention runs SDPA's causal kernel. Meta tensors give the output's shape."""
     if plan is None or plan.dense:
         if q.shape[-2] == k.shape[-2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                   enable_gqa=q.shape[1] != k.shape[1])
         if plan is None:
             plan = dense_plan(q, config, k.shape[-2] - q.shape[-2])
+    if q.is_meta:     # meta tensors (shapes without data; flex has no meta form): the output's shape
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
     return run_plan(q, k, v, plan, scale=scale, compiled=compiled, backend=config.backend)
 
 

@@ -11,8 +11,12 @@ Parts (``--parts``, comma-separated; each merges its rows into ``--out``):
   random inputs, best of 3.
 * ``warm_up``: `fe.warm_up` of a tiny Llama of ``--layers`` layers (default 8; inductor, phase 1 captured) in fresh
   processes: an empty inductor cache dir, the same dir again, and an empty dir after loading the first run's
-  compiled artifacts; each row lists the graphs dynamo compiled, the seconds each took, and how the compilation's
-  seconds split between dynamo's bytecode tracing and the backend.
+  compiled artifacts; then with ``compiled_dir``: a first process (an empty inductor cache dir, an empty compiled
+  dir), a second with both kept, and a third with the compiled dir alone (an empty inductor cache dir). Each row
+  lists the graphs dynamo compiled, the seconds each took, how the compilation's seconds split between dynamo's
+  bytecode tracing and the backend, what the compiled dir did (graphs loaded, compiled and kept) and the tokens of
+  one greedy request after the warm-up (the same in every row). ``--repeats N`` runs the two second processes (the
+  kept cache dir, the kept compiled dir) N times each, in turn.
 
 CPU figures: they rank the paths on the host, they are not GPU timings.
 """
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
 
 import flexentropy as fe  # noqa: E402
-from flexentropy.engine import begin_step  # noqa: E402
+from flexentropy.engine import begin_step, compiled_work  # noqa: E402
 
 
 def tiny_llama(layers: int) -> torch.nn.Module:
@@ -128,15 +132,24 @@ def warm_up_setup(layers: int) -> tuple[torch.nn.Module, fe.StaticLatentKVCache,
 WARM_UP_LENGTHS = [900, 1234]
 
 
-def warm_up_once(mode: str, artifacts: str, layers: int) -> float:
-    """One `fe.warm_up` in this process (``--warm-up-child``); ``mode="load"`` loads ``artifacts`` first."""
+def warm_up_once(mode: str, artifacts: str, layers: int) -> dict:
+    """One `fe.warm_up` in this process (``--warm-up-child``) and one greedy request after it: the warm-up's seconds,
+    what the compiled dir did, the request's tokens. ``mode="load"`` loads ``artifacts`` first; a ``compiled_dir``
+    mode keeps the compiled work in the folder ``compiled`` beside ``artifacts``."""
     if mode == "load":
         torch.compiler.load_cache_artifacts(Path(artifacts).read_bytes())
     model, cache, compile_config = warm_up_setup(layers)
+    compiled_dir = Path(artifacts).with_name("compiled") if mode.startswith("compiled_dir") else None
     start = time.perf_counter()
     fe.warm_up(model, WARM_UP_LENGTHS, cache=cache, compile_config=compile_config,
-               artifacts=artifacts if mode == "save" else None)
-    return time.perf_counter() - start
+               artifacts=artifacts if mode == "save" else None, compiled_dir=compiled_dir)
+    seconds = time.perf_counter() - start
+    kept = compiled_work()
+    cache.reset()
+    ids = torch.randint(3, 256, (1, WARM_UP_LENGTHS[1] - 100), generator=torch.Generator().manual_seed(1))
+    tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                            pad_token_id=0, past_key_values=cache, compile_config=compile_config)
+    return {"seconds": seconds, "kept": kept, "tokens": tokens[0, ids.shape[1]:].tolist()}
 
 
 def run_child(script: str, child_args: list[str], cache_dir: Path) -> dict:
@@ -148,16 +161,27 @@ def run_child(script: str, child_args: list[str], cache_dir: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def warm_up_rows(layers: int) -> list[dict]:
+WARM_UP_MODES = (("save", "a"), ("same_cache_dir", "a"), ("load", "b"), ("compiled_dir_first", "c"),
+                 ("compiled_dir_second", "c"), ("compiled_dir_only", "d"))
+"""The processes of the ``warm_up`` part, in order: (mode, its inductor cache dir)."""
+
+SECOND_PROCESSES = (("same_cache_dir", "a"), ("compiled_dir_second", "c"))
+"""The second processes that ``--repeats`` runs again, in turn (the machine's load changes between them)."""
+
+
+def warm_up_rows(layers: int, repeats: int = 1) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = str(Path(tmp) / "artifacts.bin")
-        for mode, cache_dir in (("save", "a"), ("same_cache_dir", "a"), ("load", "b")):
+        for mode, cache_dir in WARM_UP_MODES + SECOND_PROCESSES * (repeats - 1):
             child = run_child(__file__, ["--warm-up-child", mode, artifacts, "--layers", str(layers)],
                               Path(tmp) / cache_dir)
+            kept = Path(tmp) / "compiled"
             rows.append({"part": "warm_up", "layers": layers, "mode": {"save": "cold"}.get(mode, mode),
                          "seconds": child["seconds"], "graphs": child["graphs"], "compile_phases_s": child["phases"],
-                         "artifacts_bytes": Path(artifacts).stat().st_size})
+                         "traced": child["traced"], "kept": child["kept"], "tokens": child["tokens"],
+                         "artifacts_bytes": Path(artifacts).stat().st_size,
+                         "compiled_dir_bytes": sum(path.stat().st_size for path in kept.rglob("*") if path.is_file())})
     return rows
 
 
@@ -167,13 +191,17 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/cpu_costs.json")
     parser.add_argument("--tag", default="", help="label of the rows (e.g. the commit measured)")
     parser.add_argument("--layers", type=int, default=8, help="warm_up: the tiny Llama's layers")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="warm_up: processes of each second-process mode (kept cache dir, kept compiled dir)")
     parser.add_argument("--warm-up-child", nargs=2, metavar=("MODE", "ARTIFACTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_child:
-        print(json.dumps({"seconds": warm_up_once(*args.warm_up_child, args.layers), "graphs": compiled_graphs(),
-                          "phases": compile_phases()}))
+        once = warm_up_once(*args.warm_up_child, args.layers)
+        print(json.dumps({**once, "graphs": compiled_graphs(), "phases": compile_phases(),
+                          "traced": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
         return
-    parts = {"prepare": prepare_rows, "observation": observation_rows, "warm_up": lambda: warm_up_rows(args.layers)}
+    parts = {"prepare": prepare_rows, "observation": observation_rows,
+             "warm_up": lambda: warm_up_rows(args.layers, args.repeats)}
     path = Path(args.out)
     payload = json.loads(path.read_text()) if path.is_file() else {"benchmark": "cpu_costs", "rows": []}
     for part in args.parts.split(","):

@@ -32,14 +32,15 @@ Parts (``--parts``):
   pass each: what the first eviction ran before) against the library's (a GEMM with a float32 output, then one
   compiled pass for the rows' statistics and one for the sums), timed, with their largest relative difference and
   the share of kept entries they agree on (`keep_indices` of the pooled, spread scores at the default budget).
-* ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts)`` then one request of the
-  first N, timed from the warm-up's start (run it in fresh processes, with a kept ``TORCHINDUCTOR_CACHE_DIR`` or
-  the artifacts file, to see what each saves). The row attributes the warm-up: every frame dynamo compiled
-  (``get_compilation_metrics``: its name, seconds, backend and inductor seconds, cache hits and misses), torch's
-  compile counters, and, unless ``--no-profile``, the warm-up's wall time split into `BUCKETS` by a sampler of the
-  main thread's stack (each sample's time to the innermost frame a bucket names: dynamo tracing, inductor and
-  FX-graph cache loads and compiles, CuTe DSL compiles, Triton compiles, CUDA-graph recording, the rest) and a
-  ``cProfile`` of it, its top functions in the row and the whole listing beside the JSON
+* ``coldstart``: a new process's first request: ``fe.warm_up(..., artifacts=--artifacts,
+  compiled_dir=--compiled-dir)`` then one request of the first N, timed from the warm-up's start (run it in fresh
+  processes, with a kept ``TORCHINDUCTOR_CACHE_DIR``, the artifacts file or the compiled dir, to see what each saves;
+  it runs before the other parts, so that it times a fresh process). The row attributes the warm-up: every frame
+  dynamo compiled (``get_compilation_metrics``: its name, seconds, backend and inductor seconds, cache hits and
+  misses), torch's compile counters, and, unless ``--no-profile``, the warm-up's wall time split into `BUCKETS` by a
+  sampler of the main thread's stack (each sample's time to the innermost frame a bucket names: dynamo tracing,
+  inductor and FX-graph cache loads and compiles, CuTe DSL compiles, Triton compiles, CUDA-graph recording, the rest)
+  and a ``cProfile`` of it, its top functions in the row and the whole listing beside the JSON
   (``<out>_<tag>_warm_up.txt``). Both profilers slow the Python they watch: time a clean warm-up with
   ``--no-profile``.
 
@@ -424,6 +425,7 @@ BUCKETS = (
     ("dynamo tracing", "torch/_dynamo/convert_frame.py", None),
     ("CUDA-graph recording", "torch/cuda/graphs.py", None),
     ("CUDA-graph recording", "flexentropy/engine/driver.py", ("_recording",)),
+    ("compiled graphs loaded from the compiled dir", "flexentropy/_compile.py", ("load",)),
 )
 """``(bucket, path fragment, functions or None: any)``: a stack sample goes to the bucket of its innermost frame whose
 file path holds the fragment (in a function named, where some are), or of an import (a module's body run by
@@ -517,6 +519,7 @@ def top_functions(stats: pstats.Stats, key: str, count: int) -> list[dict]:
 def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device, out: Path) -> dict:
     """A fresh process's first request, timed from the start of ``fe.warm_up``, and the warm-up's attribution (module
     docstring)."""
+    from flexentropy.engine import compiled_work
     from flexentropy.engine.driver import recorded_steps
 
     cfg = speed_config(base_budget=args.prefill_budget)
@@ -528,7 +531,7 @@ def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, devic
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
-        fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts)
+        fe.warm_up(model, args.warm_lengths, cache=cache, artifacts=args.artifacts, compiled_dir=args.compiled_dir)
         warm = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()
@@ -536,7 +539,8 @@ def coldstart_row(model: Any, ids: torch.Tensor, args: argparse.Namespace, devic
     frames = compiled_frames()   # what dynamo traced (and inductor compiled or took from its caches)
     row = {"part": "coldstart", "variant": args.tag or "coldstart", "warm_up_s": warm, "request_s": request,
            "first_request_done_s": warm + request, "profiled": not args.no_profile, "artifacts": args.artifacts,
-           "artifacts_existed": args.artifacts_existed, "graphs": len(frames),
+           "artifacts_existed": args.artifacts_existed, "compiled_dir": args.compiled_dir,
+           "compiled_dir_existed": args.compiled_dir_existed, "kept": compiled_work(), "graphs": len(frames),
            "graphs_s": sum(frame["entire_frame_compile_time_s"] or 0.0 for frame in frames),
            "frames": frames, "recorded_steps": recorded_steps(model),
            "counters": {kind: dict(values) for kind, values in torch._dynamo.utils.counters.items()
@@ -618,6 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt-length", type=int, default=None, help="default: the context")
     p.add_argument("--warm-lengths", type=int, nargs="+", default=[8192, 12345])
     p.add_argument("--artifacts", default=None, help="coldstart: fe.warm_up's artifacts file")
+    p.add_argument("--compiled-dir", default=None, help="coldstart: fe.warm_up's compiled_dir")
     p.add_argument("--tag", default="", help="coldstart: the row's variant")
     p.add_argument("--no-profile", action="store_true",
                    help="coldstart: time the warm-up without the stack sampler and cProfile")
@@ -636,6 +641,7 @@ def main(argv: list[str] | None = None) -> None:
                   f" = {sum(parts.values()):.2f} ms")
         return
     args.artifacts_existed = bool(args.artifacts) and Path(args.artifacts).is_file()
+    args.compiled_dir_existed = bool(args.compiled_dir) and any(Path(args.compiled_dir).glob("*/*/*.bin"))
     device = torch.device(args.device)
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
@@ -661,6 +667,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size - 1, (1, args.context), device=device, generator=gen)
     parts = set(args.parts.split(","))
+    if "coldstart" in parts:   # first: it times a fresh process
+        guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device, out)]))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if "dense" in parts:
         guarded("dense", lambda: dense_rows(model, ids, args.new_tokens, device))
         if device.type == "cuda":
@@ -671,8 +681,6 @@ def main(argv: list[str] | None = None) -> None:
         guarded("check", lambda: iter([check_row(model, device)]))
     if "scores" in parts:
         guarded("scores", lambda: iter([scores_row(model, args.context, device)]))
-    if "coldstart" in parts:
-        guarded("coldstart", lambda: iter([coldstart_row(model, ids, args, device, out)]))
 
 
 if __name__ == "__main__":

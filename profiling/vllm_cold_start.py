@@ -8,6 +8,10 @@ weights (``--tiny``: a 2-layer one), bf16 on CUDA; two random prompts of ``--con
 
     python profiling/vllm_cold_start.py --context 131072 --out cold_start_128k.json        # one GPU, vLLM's defaults
     python profiling/vllm_cold_start.py --device cpu --tiny --context 3000 --out /tmp/cold_start.json
+
+A restarted server (issue 76): the same command twice with ``FLEXENTROPY_COMPILED_DIR=FOLDER`` set, the second start
+loading what the first kept (``start_up_kept``: graphs loaded and compiled; ``start_up_traced``: graphs dynamo traced,
+vLLM's own included); ``--plugin-off`` times vLLM's own start-up and requests, the plugin off.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--config", default="{}", help="the plugin's additional_config entry, as JSON (--tiny: its "
                                                   "geometry for ~2k tokens under it)")
     p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's chunk (default: vLLM's)")
+    p.add_argument("--plugin-off", action="store_true", help="vLLM's own backend: the plugin off")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "flexentropy_vllm_cold_start")
     p.add_argument("--out", type=Path, required=True, help="the row, as JSON")
     a = p.parse_args(argv)
@@ -57,10 +62,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     llm = LLM(model=str(dummy_model(a.work, a.tiny)), load_format="dummy", skip_tokenizer_init=True, seed=0,
-              max_model_len=a.context + 64, enable_chunked_prefill=True, additional_config={"flexentropy": config},
+              max_model_len=a.context + 64, enable_chunked_prefill=True,
+              additional_config={} if a.plugin_off else {"flexentropy": config},
               **options)
-    row: dict[str, Any] = {"context": a.context, "device": a.device, "tiny": a.tiny, "plugin_config": config,
-                           "start_up_s": time.perf_counter() - start, "start_up_compiles": flexentropy_compiles()}
+    from torch._dynamo.utils import counters
+
+    from flexentropy.engine.warm_up import COMPILED_DIR_VARIABLE, compiled_work
+
+    row: dict[str, Any] = {"context": a.context, "device": a.device, "tiny": a.tiny,
+                           "plugin_config": None if a.plugin_off else config,
+                           "start_up_s": time.perf_counter() - start, "start_up_compiles": flexentropy_compiles(),
+                           "start_up_traced": counters["stats"]["unique_graphs"],
+                           "compiled_dir": os.environ.get(COMPILED_DIR_VARIABLE), "start_up_kept": compiled_work()}
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
     vocab = (TINY_LLAMA if a.tiny else LLAMA_8B)["vocab_size"]
     for seed, name in enumerate(("first", "second")):
@@ -68,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm.generate([random_prompt(a.context, vocab, seed)], one, use_tqdm=False)
         row |= {f"{name}_s": time.perf_counter() - start, f"{name}_compiles": flexentropy_compiles() - before}
     row["first_over_second"] = row["first_s"] / row["second_s"]
+    row["kept"] = compiled_work()
     a.out.write_text(json.dumps(row, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(row), flush=True)
     return row

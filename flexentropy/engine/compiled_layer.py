@@ -22,9 +22,9 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
+from flexentropy._compile import compiled
 from flexentropy.caches.keywords import CACHE_KEYWORDS, CACHE_KWARG, DRIVER_KWARG, STEP_KWARG
 
 
@@ -44,8 +44,9 @@ def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def layer_region(compile_options: dict[str, Any]) -> Callable[..., Any]:
-    """`run_layer` compiled with ``compile_options`` (``torch.compile`` keywords): one function for every layer."""
-    return torch.compile(run_layer, **compile_options)
+    """`run_layer` compiled with ``compile_options`` (``torch.compile`` keywords): one function for every layer, its
+    graphs kept where a folder is named (`flexentropy._compile.compiled`)."""
+    return compiled(run_layer, **compile_options)
 
 
 @contextlib.contextmanager
@@ -58,7 +59,7 @@ def compiled_layers(model: nn.Module, region: Callable[..., Any], cache: Any) ->
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (model.model.layers)")
     saved = [vars(layer).get("forward") for layer in layers]
     for layer in layers:
-        layer.forward = functools.partial(_layer_step, layer, region, cache)
+        layer.forward = LayerStep(_layer_step, layer, region, cache)
     try:
         yield
     finally:
@@ -67,6 +68,16 @@ def compiled_layers(model: nn.Module, region: Callable[..., Any], cache: Any) ->
                 del layer.forward
             else:
                 layer.forward = forward
+
+
+class LayerStep(functools.partial):
+    """A decoder layer's instance ``forward`` inside `compiled_layers`: `_layer_step` on the layer, the region and the
+    cache. torch saves a graph compiled ahead of time with the callables of the modules its guards read, this one
+    among them, and it holds the cache and the region: it is saved as None (the region's graphs never call it,
+    `run_layer` runs the class's ``forward``)."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(None), ()
 
 
 def _layer_step(layer: nn.Module, region: Callable[..., Any], cache: Any, /, *args: Any, **kwargs: Any) -> Any:

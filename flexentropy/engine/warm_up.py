@@ -1,7 +1,7 @@
 """`warm_up`: what a server will run, compiled (and on CUDA recorded) before its first request, through the same
 step driver as the requests (`flexentropy.engine.driver`); `load_artifacts`, inductor's compiled artifacts from a
-file; `keep_flash_kernels`, flash-attn-4's compiled kernels kept on disk for the next process. transformers is
-imported inside the functions."""
+file; `keep_flash_kernels`, flash-attn-4's compiled kernels kept on disk for the next process; `compiled_work`, what
+the compiled work kept in ``compiled_dir`` did. transformers is imported inside the functions."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from flexentropy._checks import check_bool, check_int, is_int
+from flexentropy._compile import COMPILED_DIR_VARIABLE as COMPILED_DIR_VARIABLE  # the folder's variable, public here
+from flexentropy._compile import KEPT, keep_compiled
 from flexentropy.config import check_config
 from flexentropy.engine.loops import greedy_generate, served_config
 
@@ -56,6 +58,14 @@ def load_artifacts(path: Path) -> None:
                       f"the file anew", stacklevel=3)
 
 
+def compiled_work() -> dict[str, float]:
+    """What this process did so far with the compiled work kept in a folder (`warm_up`'s ``compiled_dir``, or the
+    folder of `COMPILED_DIR_VARIABLE`): graphs ``"loaded"`` from it (in ``"load_seconds"``), ``"compiled"`` ahead
+    of time (in ``"compile_seconds"``) and written to it, and calls ``"served"`` by those graphs (an empty dict: none
+    kept)."""
+    return dict(KEPT)
+
+
 def shown(lengths: list[int], desc: str) -> Iterable[int]:
     """``lengths``, through a progress bar on stderr where tqdm is installed and stderr is a terminal (none in logs
     or under pytest's capture: tqdm's ``disable=None``)."""
@@ -68,7 +78,8 @@ def shown(lengths: list[int], desc: str) -> Iterable[int]:
 
 def warm_up(model: Any, lengths: int | Iterable[int] | None = None, *, config: Any = None, batch_size: int = 1,
             new_tokens: int | None = None, compile_config: Any = None, loop: bool = False,
-            cache: Any = None, artifacts: str | os.PathLike[str] | None = None) -> dict[int, float]:
+            cache: Any = None, artifacts: str | os.PathLike[str] | None = None,
+            compiled_dir: str | os.PathLike[str] | None = None) -> dict[int, float]:
     """Compile what a server will run, before its first request: the sparse prefill graphs for prompts of
     ``lengths`` tokens and the static decode steps of a `StaticLatentKVCache` (the static phase's, and with a
     ``max_prompt_length`` the captured phase 1's), compiled and, on CUDA, recorded on the serving cache's buffers,
@@ -105,9 +116,18 @@ def warm_up(model: Any, lengths: int | Iterable[int] | None = None, *, config: A
         artifacts: a file of compiled artifacts (``torch.compiler.save_cache_artifacts``): loaded before the warm-up
             if it exists, written after it, so that a new process, on this machine or another with the same torch and
             device, takes inductor's compiled kernels from it instead of compiling them again (dynamo still traces in
-            every process; docs/performance.md). None: only torch's own caches (``TORCHINDUCTOR_CACHE_DIR``). A file
-            torch cannot read is reported (a warning) and written anew; a folder, or a path in a missing folder, is
-            an error raised before any work.
+            every process: ``compiled_dir`` saves that too). None: only torch's own caches
+            (``TORCHINDUCTOR_CACHE_DIR``). A file torch cannot read is reported (a warning) and written anew; a
+            folder, or a path in a missing folder, is an error raised before any work.
+        compiled_dir: a folder (made if missing) where this process keeps, from now on, the graphs of flexentropy's
+            compiled regions (the sparse kernel, the block selection, the probe kernel, the static decode step's
+            decoder layer), each compiled ahead of time and saved, and from where it loads the graphs an earlier
+            process kept there, instead of tracing and compiling them again: a restarted server's warm-up. Work
+            kept for another torch, device or flexentropy is left beside (a warning); a graph whose guards a call
+            fails (another model, config, batch size or dtype) is compiled and kept too (a warning). None: the folder
+            of the environment variable ``FLEXENTROPY_COMPILED_DIR`` where set, else nothing is kept
+            (docs/usage.md, "Keep the compiled work"). A file, or a folder that cannot be made, is an error raised
+            before any work.
 
     Returns:
         seconds each length took, ``{length: seconds}``.
@@ -135,6 +155,8 @@ def warm_up(model: Any, lengths: int | Iterable[int] | None = None, *, config: A
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     generator = torch.Generator(device="cpu").manual_seed(0)
     extra = {} if compile_config is None else {"compile_config": compile_config}
+    if compiled_dir is not None:
+        keep_compiled(compiled_dir)
     if artifacts is not None:
         load_artifacts(Path(artifacts))
     keep_flash_kernels()

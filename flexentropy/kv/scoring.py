@@ -15,7 +15,7 @@ from einops import rearrange
 from torch.fx.experimental import _config as shape_config
 
 from flexentropy._checks import is_int
-from flexentropy._compile import keep_dynamic, no_silent_fallback
+from flexentropy._compile import compiled, keep_dynamic, no_silent_fallback
 
 SCORE_KINDS = ("softmax", "raw")
 GROUP_MODES = ("mean", "max")
@@ -131,7 +131,7 @@ def _softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_positio
     return probs.mean(dim=2).amax(dim=1)
 
 
-_compiled_softmax_scores = torch.compile(_softmax_scores, dynamic=True, fullgraph=True)
+_compiled_softmax_scores = compiled(_softmax_scores, dynamic=True, fullgraph=True)
 
 
 def softmax_scores(logits: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from torch.fx.experimental import _config as shape_config
 from torch.nn.attention.flex_attention import flex_attention
 
-from flexentropy._compile import keep_dynamic, no_silent_fallback
+from flexentropy._compile import compiled, keep_dynamic, no_silent_fallback
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, make_block_mask
 
@@ -107,7 +107,7 @@ def _flex_over_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
                           kernel_options=options)
 
 
-_compiled_flex_over_table = torch.compile(_flex_over_table, dynamic=True, fullgraph=True)
+_compiled_flex_over_table = compiled(_flex_over_table, dynamic=True, fullgraph=True)
 
 
 def kernel_rows(plan: SparsePlan) -> tuple[int, torch.Tensor]:

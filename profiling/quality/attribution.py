@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no case: name some with --cases, or --worse a path that lost some")
     missing = [i for i in a.cases if i not in cases]
     if missing:
-        p.error(f"{cases_path(a.out, a.cases_file)} has no case {missing}")
+        p.error(f"{cases_path(a.out, a.cases_file)} has no case {missing}: paths.py makes them (its --cases, "
+                "--model, --tasks, --lengths and --samples)")
     rows: list[dict[str, Any]] = []
     runners: dict[int, Any] = {}
     for case_id in a.cases:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from flexentropy._compile import keep_dynamic
+from flexentropy._compile import compiled, keep_dynamic
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.prefill.estimates import causal_logits, compute_dtype
 from flexentropy.sparse.kernel import compiled_region
@@ -184,7 +184,7 @@ def _scored_chunk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, row
     return rearrange(torch.softmax(block_lse, dim=-1), "b h g i c -> b (h g) i c")
 
 
-_compiled_scored_chunk = torch.compile(_scored_chunk, dynamic=True, fullgraph=True)
+_compiled_scored_chunk = compiled(_scored_chunk, dynamic=True, fullgraph=True)
 
 
 PROBE_KERNEL_OUTPUTS = 2**27
@@ -230,7 +230,7 @@ def _probe_block_mask(rows: int, row0: int, chunks: int, width: int, segment_siz
         BLOCK_SIZE=(Q_BLOCK_SIZE, Q_BLOCK_SIZE), mask_mod=mask_mod, seq_lengths=(rows, width), compute_q_blocks=False)
 
 
-_compiled_flex = torch.compile(flex_attention, dynamic=True)
+_compiled_flex = compiled(flex_attention, dynamic=True)
 
 
 def probe_mass_kernel(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, probes: int,

@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch._inductor.exc
 
-from flexentropy._compile import keep_dynamic
+from flexentropy._compile import compiled, keep_dynamic
 from flexentropy.config import MASS_OBSERVATIONS, Q_BLOCK_SIZE, EntropyConfig, coverage_at
 from flexentropy.policies.prefill.entropy.budgets import MAX_SEGMENTS, fluctuation_budgets
 from flexentropy.policies.prefill.entropy.entropies import rigid_heads, segment_entropy
@@ -81,8 +81,8 @@ def _plan_tensors(q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, rows:
     return _select(_observe(q, k, config), config, rows, q_start, seq_len)
 
 
-_compiled_plan_tensors = torch.compile(_plan_tensors, dynamic=True, fullgraph=True)
-_compiled_select = torch.compile(_select, dynamic=True, fullgraph=True)
+_compiled_plan_tensors = compiled(_plan_tensors, dynamic=True, fullgraph=True)
+_compiled_select = compiled(_select, dynamic=True, fullgraph=True)
 _compile_failed: list[str] = []
 """Set when the compiled selection failed to build here: later calls run the (identical) eager selection."""
 

@@ -10,18 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from flexentropy._compile import RecompileLimitError
 from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode_attention import decode_attention
 from flexentropy.policies import CACHE_POLICIES, PREFILL_POLICIES, make_prefill
-from flexentropy.prefill import (
-    RecompileLimitError,
-    SparsePlan,
-    allocate_budgets,
-    observation_attention,
-    segment_entropy,
-    select_blocks,
-    sparse_prefill_attention,
-)
+from flexentropy.policies.prefill.entropy.budgets import allocate_budgets
+from flexentropy.policies.prefill.entropy.entropies import segment_entropy
+from flexentropy.policies.prefill.entropy.observation import observation_attention
+from flexentropy.policies.prefill.entropy.policy import select_blocks, sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 __version__ = "0.1.0"
 

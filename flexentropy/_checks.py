@@ -113,9 +113,13 @@ def plain_fields(knobs: Any) -> None:
         object.__setattr__(knobs, field.name, plain(getattr(knobs, field.name)))
 
 
-def check_layer_idx(layer_idx: int) -> None:
+def check_layer_idx(layer_idx: int | None, *, optional: bool = False) -> None:
+    """Raise unless ``layer_idx`` is an int >= 0 (or, when ``optional``, None: no layer given)."""
+    if optional and layer_idx is None:
+        return
     if not is_int(layer_idx) or layer_idx < 0:
-        raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
+        expected = "an int >= 0 or None (no layer given: only the length decides)" if optional else "an int >= 0"
+        raise ValueError(f"layer_idx must be {expected}, got {layer_idx!r}")
 
 
 def label(owner: str, name: str) -> str:
@@ -156,11 +160,14 @@ def check_number(owner: str, name: str, value: object, low: float = -math.inf, h
         raise ValueError(f"{label(owner, name)} must be a finite number{bounds}, got {value!r}")
 
 
-def check_scale(owner: str, scale: object) -> None:
+def check_scale(owner: str, scale: object) -> float | None:
     """Raise unless the softmax ``scale`` is None (the default ``1 / sqrt(D)``) or a finite number > 0 (0 gives a
-    plain mean of the values, a negative scale the opposite of attention, NaN a NaN output)."""
-    if scale is not None:
-        check_number(owner, "scale", scale, 0, open_low=True)
+    plain mean of the values, a negative scale the opposite of attention, NaN a NaN output). Returns it as Python's
+    float (a numpy number such as ``np.float64(0.25)`` would reach compiled code as a constant it cannot take)."""
+    if scale is None:
+        return None
+    check_number(owner, "scale", scale, 0, open_low=True)
+    return float(scale)
 
 
 def check_odd(owner: str, name: str, value: object, maximum: int | None = None) -> None:

@@ -6,6 +6,7 @@ Defaults follow design.md §4 (the seed paper's hyper-parameters and its release
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
@@ -29,7 +30,7 @@ Q_BLOCK_SIZE = 128
 """Query block size of every BlockMask flexentropy builds (the GPU kernels' native tile)."""
 
 OBSERVATIONS = ("paper", "critiprefill", "probe", "pooled")
-"""The prefill observations (`EntropyConfig.observation`, `flexentropy.prefill.observation_attention`)."""
+"""The prefill observations (`EntropyConfig.observation`, `flexentropy.observation_attention`)."""
 MASS_OBSERVATIONS = ("probe", "pooled")
 """Observations whose row is the probes' attention mass over the candidate blocks, not a distribution over them."""
 
@@ -245,7 +246,12 @@ class EntropyConfig:
         return replace(self, **changes)
 
     def is_dense_layer(self, layer_idx: int, seq_len: int) -> bool:
-        """Whether layer ``layer_idx`` runs plain causal attention for a prompt of ``seq_len`` tokens."""
+        """Deprecated: the prefill policy decides, in one place for every path
+        (``flexentropy.make_prefill(name, config).runs_dense(layer_idx, seq_len)``). Whether layer ``layer_idx``
+        runs plain causal attention for a prompt of ``seq_len`` tokens under a sparse rule."""
+        warnings.warn("EntropyConfig.is_dense_layer is deprecated: the prefill policy decides "
+                      "(flexentropy.make_prefill(name, config).runs_dense(layer_idx, seq_len))", DeprecationWarning,
+                      stacklevel=2)
         return layer_idx in self.dense_layers or seq_len <= self.dense_prefix
 
 

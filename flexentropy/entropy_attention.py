@@ -1,23 +1,24 @@
 """`EntropyAttention`: a self-contained causal self-attention layer with sparse prefill and cached decoding.
 
 Llama-style: q/k/v/o linear projections, rotary position embedding (RoPE, "rotate half" convention, as
-``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs `sparse_prefill_attention` (design.md §1);
-later tokens attend over a cache, e.g. `flexentropy.LatentKVCache` (design.md §2), through ``decode_attention``.
-Depends on
-torch only: any object with the `KVCache` methods works as the cache (HF's ``DynamicCache`` too).
+``LlamaAttention``), grouped-query attention. A prompt (no cached past) runs the layer's prefill policy (design.md §1;
+`PrefillPolicy.run`, the path every front door takes); later tokens attend over a cache, e.g.
+`flexentropy.LatentKVCache` (design.md §2), through ``decode_attention``. Depends on torch only: any object with the
+`KVCache` methods works as the cache (HF's ``DynamicCache`` too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from flexentropy._checks import FLOAT_DTYPES, check_bool, check_layer_idx, is_int, plain
-from flexentropy.config import EntropyConfig, check_config
+from flexentropy.config import EntropyConfig
 from flexentropy.kv.decode_attention import decode_attention
-from flexentropy.prefill import sparse_prefill_attention
+from flexentropy.policies import PrefillPolicy, prefill_policy
 
 
 class KVCache(Protocol):
@@ -81,6 +82,9 @@ class EntropyAttention(nn.Module):
         layer_idx: this layer's index (``config.dense_layers`` run dense; the cache's layer slot).
         head_dim: ``D`` (default ``hidden_size // num_heads``; even, for RoPE).
         config: `EntropyConfig` (default ``EntropyConfig()``).
+        prefill: the prefill policy: a name of `flexentropy.PREFILL_POLICIES` (default ``"entropy"``) on ``config``,
+            or a `PrefillPolicy` (``fe.make_prefill(name, config, **knobs)``), which carries its config (leave
+            ``config`` None or pass the same one).
         rope_theta: RoPE base.
         bias: bias in the q/k/v/o projections.
         compiled: run the sparse kernel compiled (False: eager flex, which materialises N x N scores; tests only).
@@ -98,7 +102,7 @@ class EntropyAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, *, layer_idx: int,
                  head_dim: int | None = None, config: EntropyConfig | None = None, rope_theta: float = 10000.0,
                  bias: bool = False, compiled: bool = True, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, prefill: str | PrefillPolicy = "entropy") -> None:
         super().__init__()
         hidden_size, num_heads, num_kv_heads, head_dim, layer_idx = (
             plain(value) for value in (hidden_size, num_heads, num_kv_heads, head_dim, layer_idx))
@@ -116,7 +120,7 @@ class EntropyAttention(nn.Module):
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
         check_layer_idx(layer_idx)
-        config = check_config(config, optional=True)
+        policy = prefill_policy(prefill, config)
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
         check_bool("EntropyAttention", "bias", bias)
@@ -126,13 +130,23 @@ class EntropyAttention(nn.Module):
                             f"torch.float32 or torch.float64) or None (torch's default), got {dtype!r}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim = head_dim
-        self.layer_idx, self.config, self.rope_theta, self.compiled = layer_idx, config, rope_theta, compiled
+        self.layer_idx, self.rope_theta, self.compiled = layer_idx, rope_theta, compiled
+        self.prefill_policy = policy
         self.scale = head_dim**-0.5
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, **factory)
+
+    @property
+    def config(self) -> EntropyConfig:
+        """The prefill policy's `EntropyConfig`; setting it keeps the rule and its knobs on the new config."""
+        return self.prefill_policy.config
+
+    @config.setter
+    def config(self, config: EntropyConfig) -> None:
+        self.prefill_policy = dataclasses.replace(self.prefill_policy, config=config)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -187,8 +201,8 @@ class EntropyAttention(nn.Module):
                 cache.observe_queries(query, self.layer_idx)
             cached_key, cached_value = cache.update(key, value, self.layer_idx)
         if prompt:
-            out = sparse_prefill_attention(query, key, value, self.config, self.layer_idx, scale=self.scale,
-                                           compiled=self.compiled)
+            out, _ = self.prefill_policy.run(query, key, value, self.layer_idx, scale=self.scale,
+                                             compiled=self.compiled)
         elif hasattr(cache, "attend"):  # a flexentropy PolicyCache reads its own layout (per-head, maybe ragged)
             out = cache.attend(query, self.layer_idx, scale=self.scale)
         else:

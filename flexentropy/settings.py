@@ -1,22 +1,23 @@
-"""What a model serves with, in one place: its `Settings` (the `EntropyConfig`, the prefill policy's name and that
-policy's own knobs).
+"""What a model serves with, in one place: its `Settings`, the prefill policy object (its rule and knobs, on the
+`EntropyConfig` that also holds the decode defaults), built or parsed once per model or engine and held as is.
 
 `flexentropy.enable` puts one `Settings` on the model (`SETTINGS_ATTR`) and hands the same object to every attention
-module's `LayerState`; the decode engine reads it there (`model_settings`) for the defaults of its loops. The dict on
-``model.config.flexentropy`` (`CONFIG_ATTR`, written by `settings_dict`) is a record for ``save_pretrained``: it is
-read (`parse_settings`, the one reader of the configuration from plain values, vLLM's plugin's included) only for a
-model that `enable` did not switch, e.g. one loaded with ``attn_implementation="flexentropy"``. Nothing here imports
-transformers.
+module's `LayerState`, whose layers run its policy; the decode engine reads it there (`model_settings`) for the
+defaults of its loops. The dict on ``model.config.flexentropy`` (`CONFIG_ATTR`, written by `settings_dict`) is a record
+for ``save_pretrained``: it is read (`parse_settings`, the one reader of the configuration from plain values, vLLM's
+plugin's included; `read_settings` once per value and process) only for a model that `enable` did not switch, e.g.
+one loaded with ``attn_implementation="flexentropy"``. Nothing here imports transformers.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any, NamedTuple
 
 from flexentropy.config import EntropyConfig
-from flexentropy.policies import PREFILL_POLICIES, make_prefill, prefill_knob_names, unknown_knobs
+from flexentropy.policies import PREFILL_POLICIES, PrefillPolicy, make_prefill, prefill_knob_names, unknown_knobs
 
 PREFILL_MODES = tuple(PREFILL_POLICIES)
 """Names of `flexentropy.PREFILL_POLICIES`: ``"entropy"`` (sparse prefill, design.md §1) and the other sparse policies
@@ -33,17 +34,30 @@ SETTINGS_ATTR = "flexentropy_settings"
 
 
 class Settings(NamedTuple):
-    """A model's flexentropy settings (equal to the tuple ``(config, prefill, knobs)``).
+    """A model's (or a vLLM engine's) flexentropy settings: its prefill policy, whose `EntropyConfig` holds the
+    prefill's geometry and budgets and the decode defaults of the engine's loops.
 
     Attributes:
-        config: the `EntropyConfig`: the prefill's geometry and budgets, and the decode defaults of the engine's loops.
-        prefill: one of `PREFILL_MODES`.
-        knobs: the prefill policy's own knobs (`PrefillPolicy.knobs`; empty: its defaults).
+        policy: the `PrefillPolicy` every attention layer runs (its rule, one of `PREFILL_MODES`, with its own
+            knobs), built once (`flexentropy.enable`, `parse_settings`) and held as is.
     """
 
-    config: EntropyConfig
-    prefill: str
-    knobs: dict[str, Any]
+    policy: PrefillPolicy
+
+    @property
+    def config(self) -> EntropyConfig:
+        """The policy's `EntropyConfig`."""
+        return self.policy.config
+
+    @property
+    def prefill(self) -> str:
+        """The policy's name (one of `PREFILL_MODES`)."""
+        return self.policy.name
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        """The policy's own knobs (`PrefillPolicy.knobs`)."""
+        return self.policy.knobs
 
 
 def check_prefill(prefill: object, where: str = "prefill") -> None:
@@ -61,7 +75,8 @@ def settings_dict(config: EntropyConfig, prefill: str, knobs: dict[str, Any] | N
 
 def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Settings:
     """`Settings` from plain values: the one reader of flexentropy's configuration from JSON, be it the record on a
-    model's config (``model.config.flexentropy``), vLLM's ``additional_config["flexentropy"]`` or a lab's file.
+    model's config (``model.config.flexentropy``), vLLM's ``additional_config["flexentropy"]`` or a lab's file. The
+    prefill policy is built here, once, its knobs checked with it.
 
     Accepts None (defaults), an `EntropyConfig`, or a mapping of `EntropyConfig` fields plus optional ``"prefill"``
     (one of `PREFILL_MODES`, default ``"entropy"``) and ``"prefill_knobs"`` keys; lists are read as tuples (JSON has
@@ -73,9 +88,9 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
             ``where`` (what the caller calls the value).
     """
     if value is None:
-        return Settings(EntropyConfig(), "entropy", {})
+        return Settings(make_prefill("entropy"))
     if isinstance(value, EntropyConfig):
-        return Settings(value, "entropy", {})
+        return Settings(make_prefill("entropy", value))
     if not isinstance(value, Mapping):
         raise TypeError(f"{where} must be a mapping of EntropyConfig fields (plus optional 'prefill' and "
                         f"'{KNOBS_KEY}'), e.g. {{\"dense_prefix\": 8192, \"coverage\": [0.8, 0.6]}}, or an "
@@ -98,10 +113,28 @@ def parse_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Setti
                          f"'{KNOBS_KEY}')")
     try:
         config = EntropyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-        make_prefill(prefill, config, **knobs)   # the knobs' values, checked here rather than at the first forward
+        policy = make_prefill(prefill, config, **knobs)   # the knobs' values, checked here, once
     except (TypeError, ValueError) as err:
         raise type(err)(f"{where}: {err}") from None
-    return Settings(config, prefill, dict(knobs))
+    return Settings(policy)
+
+
+_READ: dict[str, Settings] = {}
+"""`read_settings`' values read so far (a canonical JSON text of each), and their settings."""
+
+
+def read_settings(value: object, where: str = f"config.{CONFIG_ATTR}") -> Settings:
+    """`parse_settings`, once per value and process: the layers of a model loaded with
+    ``attn_implementation="flexentropy"`` read one record, a vLLM engine's backend classes, metadata builders and
+    layers one ``additional_config`` entry, and each gets the same `Settings` (one policy object). A value that has no
+    canonical JSON text (a mapping with keys of several types) is parsed on each call."""
+    try:
+        key = json.dumps(value, sort_keys=True, default=repr)
+    except TypeError:
+        return parse_settings(value, where)
+    if key not in _READ:
+        _READ[key] = parse_settings(value, where)
+    return _READ[key]
 
 
 def model_settings(model: Any) -> Settings:
@@ -110,4 +143,4 @@ def model_settings(model: Any) -> Settings:
     settings = getattr(model, SETTINGS_ATTR, None)
     if settings is not None:
         return settings
-    return parse_settings(getattr(getattr(model, "config", None), CONFIG_ATTR, None))
+    return read_settings(getattr(getattr(model, "config", None), CONFIG_ATTR, None))

@@ -79,7 +79,7 @@ def prepare_rows(steps: int = 120) -> list[dict]:
 
 
 def observation_rows() -> list[dict]:
-    from flexentropy.prefill.probe_mass import pooled_block_mass, probe_block_mass
+    from flexentropy.policies.prefill.entropy.probe_mass import pooled_block_mass, probe_block_mass
 
     rows = []
     for n in (16384, 32768):

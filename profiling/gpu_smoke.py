@@ -18,7 +18,9 @@ evictions are counted). The paths, at ``--length`` tokens (32,768) where they ar
 * ``policy/<name>``: each prefill policy of `fe.PREFILL_POLICIES` through `fe.enable` (one forward);
 * ``vllm``: the vLLM plugin, where vLLM imports (`profiling/vllm_serving.py`'s ``smoke`` part, each engine in its
   own processes: one long prompt through vLLM's own backend and the covering plugin, greedy tokens and their
-  log-probabilities compared; the plugin at its defaults, its sparse chunks counted).
+  log-probabilities compared; the plugin at its defaults, its sparse chunks counted);
+* ``vllm/<peer>``: the same prompt through the plugin running a peer's rule (`VLLM_PEERS`, chosen by the entry's
+  ``"prefill"``): with covering knobs against vLLM's own backend's row of ``vllm``, and at the rule's defaults.
 
 The model is the Llama-3.1-8B layer shape (32 query / 8 KV heads of 128, hidden 4096, MLP 14336) with ``--layers``
 layers, random bf16 weights. One JSON line per row, appended as it completes (a run cut short keeps its rows): the
@@ -74,6 +76,10 @@ PEER_COVERING = {"flexprefill": {"gamma": 1.0}, "xattention": {"threshold": 1.0}
 """The peers' knobs that keep every block (tests/test_peer_prefill.py); the budget rules take the config's budget."""
 
 
+VLLM_PEERS = ("xattention", "flexprefill")
+"""The peers the vLLM plugin runs in the smoke (every rule runs under the plugin: tests/test_vllm_plugin.py)."""
+
+
 class Mismatch(AssertionError):
     """A covering run that does not equal dense."""
 
@@ -98,6 +104,7 @@ class Smoke:
         self._model: Any = None
         self._dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dense_attention: list[torch.Tensor] | None = None
+        self.vllm_own: dict[str, Any] | None = None
 
     def config(self, covering: bool, **changes: Any) -> fe.EntropyConfig:
         """``covering``: per-head budgets past the prompt (every causal block kept; the sparse kernel still runs),
@@ -443,17 +450,23 @@ def vllm_rows(smoke: Smoke, name: str, sides: list[str], config: dict[str, Any] 
     return rows
 
 
-def vllm(smoke: Smoke, covering: bool) -> dict[str, Any]:
-    """One prompt through the plugin: covering against vLLM's own backend (greedy tokens, their log-probabilities),
-    at the defaults its chunks counted."""
+def vllm(smoke: Smoke, covering: bool, prefill: str = "entropy") -> dict[str, Any]:
+    """One prompt through the plugin running ``prefill``: covering against vLLM's own backend (greedy tokens, their
+    log-probabilities; vLLM's row run once, with the first covering run), at the defaults its chunks counted."""
+    name = "vllm" if prefill == "entropy" else f"vllm_{prefill}"
+    rule = {} if prefill == "entropy" else {"prefill": prefill}
     if not covering:
-        row = vllm_rows(smoke, "vllm_defaults", ["flexentropy"], None)["flexentropy"]
+        row = vllm_rows(smoke, f"{name}_defaults", ["flexentropy"], rule or None)["flexentropy"]
         if not row["counters"]["sparse_chunks"]:
             raise Mismatch(f"no chunk ran sparse at the plugin's defaults: {row['counters']}")
         return {"counters": row["counters"], "chunk": row["chunk"], "start_s": round(row["start_s"], 1)}
-    cover = {"budget_rule": "fluctuation", "base_budget": float(1 << 24), "max_budget_factor": 1.0}
-    rows = vllm_rows(smoke, "vllm_covering", ["vllm", "flexentropy"], cover)
-    own, plugin = rows["vllm"], rows["flexentropy"]
+    cover = {"budget_rule": "fluctuation", "base_budget": float(1 << 24), "max_budget_factor": 1.0, **rule}
+    if prefill in PEER_COVERING:
+        cover["prefill_knobs"] = PEER_COVERING[prefill]
+    sides = ["flexentropy"] if smoke.vllm_own is not None else ["vllm", "flexentropy"]
+    rows = vllm_rows(smoke, f"{name}_covering", sides, cover)
+    smoke.vllm_own = rows.get("vllm", smoke.vllm_own)
+    own, plugin = smoke.vllm_own, rows["flexentropy"]
     agree = same_prefix(torch.tensor(plugin["tokens"]), torch.tensor(own["tokens"]))
     steps = min(agree + 1, len(own["tokens"]))
     gap = max(abs(a - b) for a, b in zip(plugin["logprobs"][:steps], own["logprobs"][:steps], strict=True))
@@ -468,7 +481,7 @@ def vllm(smoke: Smoke, covering: bool) -> dict[str, Any]:
 
 
 def paths(smoke: Smoke) -> dict[str, Callable[[bool], dict[str, Any]]]:
-    """Every path, by name: a function of ``covering``."""
+    """Every path but vLLM's, by name: a function of ``covering``."""
     backends = ["flash", "triton"] if smoke.device.type == "cuda" else ["auto"]
     table: dict[str, Callable[[bool], dict[str, Any]]] = {}
     for backend in backends:
@@ -479,6 +492,12 @@ def paths(smoke: Smoke) -> dict[str, Callable[[bool], dict[str, Any]]]:
     for name in fe.PREFILL_POLICIES:
         table[f"policy/{name}"] = lambda c, p=name: policy(smoke, p, c)
     return table
+
+
+def vllm_paths(smoke: Smoke) -> dict[str, Callable[[bool], dict[str, Any]]]:
+    """The plugin's paths, by name: ``vllm`` (the default rule), then ``vllm/<peer>`` for each of `VLLM_PEERS`."""
+    return {("vllm" if rule == "entropy" else f"vllm/{rule}"): lambda c, r=rule: vllm(smoke, c, r)
+            for rule in ("entropy", *VLLM_PEERS)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,20 +519,19 @@ def main(argv: list[str] | None = None) -> int:
     smoke.out.unlink(missing_ok=True)
     smoke.write({"ok": True, **environment(args)})
     chosen = paths(smoke)
+    vllm_chosen = {} if args.no_vllm else vllm_paths(smoke)
     if args.paths:
         chosen = {name: fn for name, fn in chosen.items() if name.startswith(tuple(args.paths))}
+        vllm_chosen = {name: fn for name, fn in vllm_chosen.items() if name.startswith(tuple(args.paths))}
     if args.device == "cuda" and not flash_available():
         smoke.write({"path": "kernel/flash", "ok": None, "skipped": "flash-attn-4 is not importable"})
         chosen = {name: fn for name, fn in chosen.items() if not name.endswith("/flash")}
-    for name, fn in chosen.items():
+    if vllm_chosen and importlib.util.find_spec("vllm") is None:
+        smoke.write({"path": "vllm", "ok": None, "skipped": "vLLM does not import here"})
+        vllm_chosen = {}
+    for name, fn in {**chosen, **vllm_chosen}.items():
         for covering in (True, False):
             smoke.run(name, "covering" if covering else "defaults", lambda f=fn, c=covering: f(c))
-    wants_vllm = not args.no_vllm and (not args.paths or "vllm" in args.paths)
-    if wants_vllm and importlib.util.find_spec("vllm") is not None:
-        for covering in (True, False):
-            smoke.run("vllm", "covering" if covering else "defaults", lambda c=covering: vllm(smoke, c))
-    elif wants_vllm:
-        smoke.write({"path": "vllm", "ok": None, "skipped": "vLLM does not import here"})
     print(f"{smoke.failed} failed; rows in {smoke.out}")
     return 1 if smoke.failed else 0
 

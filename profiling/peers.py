@@ -40,9 +40,8 @@ from common import attention_inputs, environment, time_ms, write_json  # noqa: E
 
 from flexentropy import EntropyConfig  # noqa: E402
 from flexentropy.policies import PrefillPolicy, make_prefill  # noqa: E402
+from flexentropy.policies.base import attend, dense_causal_attention  # noqa: E402
 from flexentropy.policies.prefill.vertical_slash import token_density  # noqa: E402
-from flexentropy.prefill.sparse_prefill import dense_causal_attention  # noqa: E402
-from flexentropy.sparse.kernel import run_plan  # noqa: E402
 from flexentropy.sparse.plan import SparsePlan, causal_blocks  # noqa: E402
 
 POLICIES = ("dense", "entropy", "critiprefill", "streaming", "flexprefill", "xattention", "vertical_slash")
@@ -99,10 +98,7 @@ def bench_policy(run: Runner, name: str) -> dict[str, Any]:
     row: dict[str, Any] = {"policy": name, "density": plan.density,
                            "selection_ms": run.time(lambda: policy.plan(q, k)),
                            "selection_peak_gib": run.peak_gib(lambda: policy.plan(q, k))}
-    if plan.dense:
-        kernel = lambda: dense_causal_attention(q, k, v)  # noqa: E731
-    else:
-        kernel = lambda: run_plan(q, k, v, plan, compiled=run.compiled, backend=run.config.backend)  # noqa: E731
+    kernel = lambda: attend(q, k, v, plan, run.config, compiled=run.compiled)  # noqa: E731  (SDPA for dense plans)
     row["kernel_ms"] = run.time(kernel)
     row["total_ms"] = row["selection_ms"] + row["kernel_ms"]
     row["rel_l2_vs_dense"] = rel_l2(kernel(), run.reference)
@@ -233,8 +229,7 @@ def official_vs_ours(run: Runner, theirs: torch.Tensor, ours: PrefillPolicy) -> 
     theirs = theirs & causal_blocks(n, 128, theirs.device)
     mine = ours.plan(run.q, run.k).blocks
     plan = SparsePlan(theirs.contiguous(), n, 128)
-    kernel = lambda: run_plan(run.q, run.k, run.v, plan, compiled=run.compiled,  # noqa: E731
-                              backend=run.config.backend)
+    kernel = lambda: attend(run.q, run.k, run.v, plan, run.config, compiled=run.compiled)  # noqa: E731
     return {"density": table_density(theirs, n), "ours_matched_density": table_density(mine, n),
             "iou_vs_ours": iou(theirs, mine), "our_kernel_on_their_blocks_ms": run.time(kernel),
             "rel_l2_their_blocks_our_kernel": rel_l2(kernel(), run.reference),

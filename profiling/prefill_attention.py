@@ -35,12 +35,13 @@ from common import (  # noqa: E402
 )
 
 import flexentropy as fe  # noqa: E402
-from flexentropy.prefill import probe_mass  # noqa: E402
-from flexentropy.prefill.budgets import allocate_budgets  # noqa: E402
-from flexentropy.prefill.entropies import segment_entropy  # noqa: E402
-from flexentropy.prefill.observation import candidate_blocks, observation_attention  # noqa: E402
-from flexentropy.prefill.selection import block_table  # noqa: E402
-from flexentropy.sparse.kernel import kernel_options, run_plan  # noqa: E402
+from flexentropy import observation_attention  # noqa: E402
+from flexentropy.policies.base import attend  # noqa: E402
+from flexentropy.policies.prefill.entropy import probe_mass  # noqa: E402
+from flexentropy.policies.prefill.entropy.budgets import allocate_budgets  # noqa: E402
+from flexentropy.policies.prefill.entropy.entropies import segment_entropy  # noqa: E402
+from flexentropy.policies.prefill.fixed import block_table, candidate_blocks  # noqa: E402
+from flexentropy.sparse.kernel import kernel_options  # noqa: E402
 from flexentropy.sparse.plan import SparsePlan, block_mask_tensors, causal_blocks  # noqa: E402
 
 
@@ -97,7 +98,7 @@ def bench_context(n: int, args: argparse.Namespace, device: torch.device) -> dic
         "block_table_ms": lambda: block_table(a_obs, budgets, cfg, n),
         "mask_tensors_ms": lambda: block_mask_tensors(blocks, n, cfg.block_size),
         "select_compiled_ms": lambda: fe.select_blocks(q, k, cfg),
-        "sparse_kernel_ms": lambda: run_plan(q, k, v, plan, backend=args.backend),
+        "sparse_kernel_ms": lambda: attend(q, k, v, plan, cfg),
     }
     if cfg.observation == "probe":   # the probe kernel (probe_mass_kernel) against the compiled scored path
         def probe(kernel: bool, constant: str | None = None, value: int | None = None) -> Callable[[], torch.Tensor]:

@@ -1,7 +1,7 @@
 """Dense reference oracle for flexentropy (design.md §4: "every function above has its twin there").
 
 Plain PyTorch, float64 by default, explicit loops and full ``N x N`` masks (small ``N`` only), no FlexAttention.
-Independent of ``flexentropy.prefill``: use it to check the fast implementation, never the other way round.
+Independent of ``flexentropy.policies``: use it to check the fast implementation, never the other way round.
 """
 
 from reference.cache import LatentCacheOracle, evict, keep_indices, pool_scores, window_attention_scores

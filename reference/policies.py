@@ -71,7 +71,7 @@ def _causal_table(q: torch.Tensor, block_size: int) -> torch.Tensor:
     return blocks
 
 
-def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int = 1,
+def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyConfig, layer_idx: int | None = None,
                    **knobs: object) -> torch.Tensor:
     """Block table ``[B, Hq, C_Q, C_B]`` of prefill policy ``name`` (``dense``, ``entropy``, ``critiprefill``,
     ``streaming``, ``flexprefill``, ``xattention``, ``vertical_slash``) for one layer; dense layers
@@ -86,7 +86,7 @@ def prefill_blocks(name: str, q: torch.Tensor, k: torch.Tensor, config: EntropyC
     * ``flexprefill``, ``xattention``, ``vertical_slash``: :mod:`reference.peers` with ``knobs``.
     """
     n = q.shape[2]
-    if name == "dense" or layer_idx in config.dense_layers or n <= config.dense_prefix:
+    if name == "dense" or (layer_idx is not None and layer_idx in config.dense_layers) or n <= config.dense_prefix:
         return _causal_table(q, config.block_size)
     if name == "entropy":
         return ref_prefill.select_blocks(q, k, config, layer_idx).blocks

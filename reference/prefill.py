@@ -2,7 +2,7 @@
 
 Written to be read against the paper and docs/design.md line by line, not to be fast: explicit Python loops over batch,
 heads, segments and blocks, float64 by default, full ``N x N`` masks (small ``N`` only), no FlexAttention.
-It shares nothing with ``flexentropy.prefill`` except :class:`flexentropy.config.EntropyConfig`.
+It shares nothing with ``flexentropy.policies.prefill`` except :class:`flexentropy.config.EntropyConfig`.
 
 Notation (docs/design.md, notation): ``q`` is ``[B, Hq, N, D]``, ``k``/``v`` are ``[B, Hkv, N, D]``, ``G = Hq // Hkv``
 and
@@ -371,7 +371,7 @@ def select_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
     config: EntropyConfig,
-    layer_idx: int = 1,
+    layer_idx: int | None = None,
     *,
     dtype: torch.dtype = torch.float64,
     q_start: int = 0,
@@ -379,9 +379,9 @@ def select_blocks(
     """Key blocks each query block attends to (design.md §1.5), with the ``A_obs``/entropy/budgets behind them.
 
     Whole layer dense (every causal block; budgets/entropy/a_obs None) when ``layer_idx in config.dense_layers``
-    or ``N <= config.dense_prefix``. Otherwise ``A_obs`` = :func:`observation_attention` (``config.observation``,
-    ``config.observation_scale``, computed in ``dtype``), then :func:`segment_entropy` and the budgets
-    (:func:`allocate_budgets`, or :func:`coverage_budgets` when ``budget_rule="coverage"``), and query block
+    (None: no layer given) or ``N <= config.dense_prefix``. Otherwise ``A_obs`` = :func:`observation_attention`
+    (``config.observation``, ``config.observation_scale``, computed in ``dtype``), then :func:`segment_entropy` and
+    the budgets (:func:`allocate_budgets`, or :func:`coverage_budgets` when ``budget_rule="coverage"``), and query block
     ``qb`` (in segment ``s = qb * 128 // L_S``) of head ``h`` attends to:
 
     - its own segment causally: key blocks from the segment's first block ``s * L_S // L_B`` up to the block
@@ -409,7 +409,7 @@ def select_blocks(
     num_qblocks = _ceil_div(n, Q_BLOCK_SIZE)
 
     causal_blocks = _causal_blocks(batch, q_heads, n, blk_size, q.device, q_start)
-    if layer_idx in config.dense_layers or n <= config.dense_prefix:
+    if (layer_idx is not None and layer_idx in config.dense_layers) or n <= config.dense_prefix:
         return ReferencePlan(causal_blocks, blocks_to_dense_mask(causal_blocks, n, blk_size, q_start), None, None,
                              None, 1.0)
     coverage = config.budget_rule == "coverage"
@@ -498,7 +498,7 @@ def sparse_prefill_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     config: EntropyConfig,
-    layer_idx: int = 1,
+    layer_idx: int | None = None,
     dtype: torch.dtype = torch.float64,
     q_start: int = 0,
 ) -> torch.Tensor:

@@ -46,10 +46,11 @@ layer's ``forward`` swapped for the step's length, then given back) and the comm
 config and progress hooks."""
 
 LAYERS = ("flexentropy._checks", "flexentropy.config", "flexentropy._compile", "flexentropy.sparse",
-          "flexentropy.prefill", "flexentropy.kv", "flexentropy.policies", "flexentropy.settings",
+          "flexentropy.kv", "flexentropy.policies", "flexentropy.settings",
           "flexentropy.surgery", "flexentropy.caches", "flexentropy.engine", "flexentropy.integrations",
           "flexentropy.cli")
-"""Lower layers first: a module may import its own layer and the ones before it, never a later one."""
+"""Lower layers first: a module may import its own layer and the ones before it, never a later one. (The deprecated
+``flexentropy.prefill`` holds no code: its modules hand out the moved names through `flexentropy._deprecated`.)"""
 
 
 def module_name(path: Path) -> str:

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import flexentropy as fe
-from flexentropy.prefill.budgets import allocate_budgets
-from flexentropy.prefill.entropies import segment_entropy
-from flexentropy.prefill.observation import observation_attention
-from flexentropy.prefill.selection import block_table, coverage_budgets
+from flexentropy.policies.prefill.entropy.budgets import allocate_budgets
+from flexentropy.policies.prefill.entropy.entropies import segment_entropy
+from flexentropy.policies.prefill.entropy.observation import observation_attention
+from flexentropy.policies.prefill.entropy.selection import coverage_budgets
+from flexentropy.policies.prefill.fixed import block_table
 from flexentropy.sparse.plan import block_mask_tensors
 
 N, HQ, HKV, D = 16384, 8, 2, 64

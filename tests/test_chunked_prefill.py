@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import EDGE_LENGTHS, make_qkv, prefill_case
-from hypothesis import assume, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from test_prefill_properties import _clear_rows, rel_err
 
@@ -134,10 +134,10 @@ def test_a_covering_or_dense_chunk_is_bottom_right_causal_attention(case: dict, 
     cfg = {"cover": case["config"].replace(coverage=1.0, base_budget=float(n), max_budget_factor=1.0),
            "short": case["config"].replace(dense_prefix=n),
            "dense_layer": case["config"].replace(dense_layers=(0, 1))}[how]
-    plan = select_blocks(q, k, cfg, q_start=q_start)
+    plan = select_blocks(q, k, cfg, 1, q_start=q_start)
     assert torch.equal(plan.to_dense_mask(), torch.ones(n - q_start, n, dtype=torch.bool).tril(q_start)
                        .expand_as(plan.to_dense_mask()))
-    out = sparse_prefill_attention(q, k, v, cfg, compiled=False, q_start=q_start)
+    out = sparse_prefill_attention(q, k, v, cfg, 1, compiled=False, q_start=q_start)
     assert rel_err(out, bottom_right_causal(q, k, v)) < (1e-5 if q.dtype == torch.float32 else 2e-2)
 
 
@@ -330,3 +330,69 @@ def test_the_fluctuation_recurrence_restarts_at_each_chunk() -> None:
     assert torch.equal(plan.budgets[..., :2], torch.full_like(plan.budgets[..., :2], 256.0))
     torch.testing.assert_close(plan.budgets.double(), ref.budgets, atol=1.0, rtol=1e-3)
     assert plan.budgets.amax() > 256     # the recurrence moves them after the restart
+
+
+# --------------------------------------------------------------------------------------------------------------
+# every prefill rule at an offset (issue 74)
+
+RULE_KNOBS = {"streaming": {"window": 128}, "flexprefill": {"gamma": 0.7, "tau": 0.0, "min_budget": 64},
+              "xattention": {"threshold": 0.7}, "vertical_slash": {"vertical": 96, "slash": 96}}
+"""Knobs that leave each rule sparse at these lengths (FlexPrefill's ``tau=0``: every head vertical-slash, the
+pattern its last queries give)."""
+
+LAST_QUERIES = {"flexprefill": 128, "vertical_slash": 64}
+"""Rules that read their pattern off their queries' last ones: a chunk of at least that many has the prompt's."""
+
+
+def covering(name: str, config: EntropyConfig, n: int) -> fe.policies.PrefillPolicy:
+    """Rule ``name`` with knobs that keep every causal block of an ``n``-token prompt."""
+    knobs = {"streaming": {"window": n}, "flexprefill": {"gamma": 1.0}, "xattention": {"threshold": 1.0},
+             "vertical_slash": {"vertical": n, "slash": n}}.get(name, {})
+    return fe.make_prefill(name, config.replace(coverage=1.0, base_budget=float(n), max_budget_factor=1.0), **knobs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(prefill_case(max_n=1400, dims=(16,)), st.sampled_from(list(fe.PREFILL_POLICIES)), st.data())
+def test_every_rule_plans_a_chunk_as_the_prompt_so_far(case: dict, name: str, data: st.DataObject) -> None:
+    """A chunk's plan (its queries from ``q_start``, every key up to its last) is the rows of the prompt's plan up to
+    the chunk's end, for every rule, in the segments the chunk holds whole; a segment it starts inside attends every
+    causal block (its start was the previous chunk's). Where each rule makes it so: the entropy rules' segments are
+    observed on their own queries and earlier keys (the fluctuation recurrence restarts at a chunk: with every head
+    rigid, budgets ``B_0``, nothing recurs); XAttention's rows read only their own queries; FlexPrefill's and
+    vertical-slash's pattern is read off the chunk's last 128 / 64 queries, the prompt's own for its last chunk
+    (FlexPrefill's query-aware heads choose among the chunk's pairs: ``tau=0`` here keeps every head
+    vertical-slash). float64: the mass thresholds decide alike."""
+    cfg = case["config"].replace(entropy_threshold=1e30) if case["config"].budget_rule == "fluctuation" else (
+        case["config"])
+    n = case["n"]
+    queries = LAST_QUERIES.get(name, 1)
+    assume(n > queries + 1)
+    q, k, _ = make_qkv({**case, "dtype": torch.float64})
+    q_start = data.draw(st.integers(1, n - queries), label="q_start")
+    policy = fe.make_prefill(name, cfg, **RULE_KNOBS.get(name, {}))
+    whole = policy.plan(q, k, 1)
+    chunk = policy.plan(q[..., q_start:, :], k, 1, q_start=q_start)
+    assert (chunk.q_start, chunk.seq_len, chunk.dense) == (q_start, n, whole.dense)
+    rows = whole.blocks[..., q_start // 128:, :]
+    assert chunk.blocks.shape == rows.shape
+    starts = torch.arange(q_start // 128, whole.blocks.shape[2]) * 128 // cfg.segment_size * cfg.segment_size
+    held = starts >= q_start
+    assert torch.equal(chunk.blocks[..., held, :], rows[..., held, :])
+    causal = causal_blocks(n, cfg.block_size, q_start=q_start)
+    assert torch.equal(chunk.blocks[..., ~held, :], causal[~held].expand_as(chunk.blocks[..., ~held, :]))
+    event(f"{name} {'dense' if chunk.dense else 'sparse'}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunk_case(max_n=1400, dims=(16,)), st.sampled_from(list(fe.PREFILL_POLICIES)))
+def test_every_rule_runs_a_chunk_as_its_plan_and_covering_knobs_as_dense(case: dict, name: str) -> None:
+    """Every rule on a chunk at any offset: the kernel runs the chunk's plan (its token mask applied densely), and
+    knobs that cover every block give dense causal attention aligned at the bottom right."""
+    q, k, v = chunk_qkv(case)
+    q_start, tolerance = case["q_start"], 1e-5 if q.dtype == torch.float32 else 2e-2
+    policy = fe.make_prefill(name, case["config"], **RULE_KNOBS.get(name, {}))
+    plan = policy.plan(q, k, 1, q_start=q_start)
+    out = policy.attention(q, k, v, 1, compiled=False, q_start=q_start)
+    assert out.shape == q.shape and rel_err(out, reference.masked_attention(q, k, v, plan.to_dense_mask())) < tolerance
+    out = covering(name, case["config"], case["n"]).attention(q, k, v, 1, compiled=False, q_start=q_start)
+    assert rel_err(out, bottom_right_causal(q, k, v)) < tolerance

@@ -90,7 +90,7 @@ def sparse_layers(model: torch.nn.Module, config: EntropyConfig) -> list[int]:
 def test_covering_budgets_generate_the_dense_tokens(arch: str) -> None:
     dense, model = twins(arch, COVERING)
     ids = prompt()
-    plan = mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan)
+    plan = mock.patch.object(PrefillPolicy, "layer_plan", autospec=True, side_effect=PrefillPolicy.layer_plan)
     with plan as planned, torch.no_grad():
         logits = model(ids).logits
         assert sorted(c.args[3] for c in planned.call_args_list) == sparse_layers(model, COVERING)
@@ -208,7 +208,7 @@ def test_left_padded_batch_rows_equal_solo_runs(arch: str) -> None:
         assert torch.equal(batch[row], greedy(dense, solo)[0]), f"covering budgets, row {row}"
 
     enable(model, SMALL)
-    with mock.patch.object(PrefillPolicy, "plan", autospec=True, side_effect=PrefillPolicy.plan) as planned:
+    with mock.patch.object(PrefillPolicy, "layer_plan", autospec=True, side_effect=PrefillPolicy.layer_plan) as planned:
         batch = greedy(model, ids, attention_mask=mask)
     rows = [c.args[1].shape[2] for c in planned.call_args_list]  # each row's real tokens, planned on their own
     assert rows == [PROMPT, 500] * len(sparse_layers(model, SMALL))
@@ -779,7 +779,7 @@ def test_enabled_gives_back_the_settings_a_model_had() -> None:
     assert model.config._attn_implementation == "flexentropy" and hook_count(model) == hooks
     states = [hf.layer_state(m) for m in hf.attention_modules(model)]
     assert {state.policy for state in states} == {policy} and not any(state.keep_plans for state in states)
-    assert hf.parse_settings(model.config.flexentropy) == (SMALL, "streaming", policy.knobs)
+    assert hf.parse_settings(model.config.flexentropy).policy == policy
 
 
 def test_an_enabled_model_pickles(tmp_path: object) -> None:
@@ -872,7 +872,7 @@ def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: 
     model.save_pretrained(tmp_path)  # config.flexentropy is JSON: it survives the round trip
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy").eval()
     assert loaded.config._attn_implementation == "flexentropy"
-    assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, "entropy", {})
+    assert hf.parse_settings(loaded.config.flexentropy).policy == hf.parse_settings(SMALL).policy
     ids = prompt()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
@@ -884,20 +884,23 @@ def test_from_pretrained_with_attn_implementation_and_save_round_trip(tmp_path: 
 
 def test_a_policy_with_knobs_of_its_own_runs_and_survives_save(tmp_path: object) -> None:
     """``enable(model, prefill=make_prefill(name, config, **knobs))``: the rule's own knobs (here a local window
-    and a mass threshold) reach every layer and the saved config; the eval's policy specs go this way."""
+    and a mass threshold) reach every layer and the saved config; the eval's policy specs go this way. Every layer
+    runs the one policy object (issue 74: each layer's state built its own from the settings), the loaded model's
+    layers the one object read from its record."""
     from flexentropy.policies import make_prefill
 
     for policy in (make_prefill("streaming", SMALL, window=128), make_prefill("xattention", SMALL, threshold=0.5)):
         _, model = twins("llama", SMALL)
         enable(model, prefill=policy)
-        assert {hf.layer_state(m).policy for m in hf.attention_modules(model)} == {policy}
+        assert all(hf.layer_state(m).policy is policy for m in hf.attention_modules(model))
         with torch.no_grad():
             model(prompt())
         assert prefill_density(model) < 1.0
         model.save_pretrained(tmp_path)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flexentropy")
-        assert hf.parse_settings(loaded.config.flexentropy) == (SMALL, policy.name, policy.knobs)
+        assert hf.parse_settings(loaded.config.flexentropy).policy == policy
         assert hf.layer_state(hf.attention_modules(loaded)[1]).policy == policy
+        assert len({id(hf.layer_state(m).policy) for m in hf.attention_modules(loaded)}) == 1
     with pytest.raises(TypeError, match="carries its EntropyConfig"):
         enable(model, COVERING, prefill=policy)
 

@@ -22,8 +22,9 @@ from bench.eval import resolve
 from flexentropy import EntropyConfig
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies import FlexPrefill, VerticalSlash, XAttention, make_prefill
+from flexentropy.policies.prefill.fixed import fixed_blocks
+from flexentropy.policies.prefill.ranking import mass_cover
 from flexentropy.policies.prefill.vertical_slash import token_density
-from flexentropy.prefill.selection import fixed_blocks, mass_cover
 from flexentropy.sparse.plan import causal_blocks
 from reference import peers
 from reference import policies as ref
@@ -78,7 +79,7 @@ def test_peer_plans_match_reference(case, name, data, shaped, layer_idx):
     plan = make_prefill(name, config, **knobs).plan(q, k, layer_idx)
     want = ref.prefill_blocks(name, q, k, config, layer_idx, **knobs)
     assert plan.blocks.shape == want.shape and torch.equal(plan.blocks, want)
-    assert plan.dense == config.is_dense_layer(layer_idx, case["n"])
+    assert plan.dense == (layer_idx in config.dense_layers or case["n"] <= config.dense_prefix)
     event(f"{name} density {'1' if plan.density == 1 else '<1'}")
 
 

@@ -185,7 +185,7 @@ def test_prefill_plans_match_reference(case, name, window, observation, layer_id
     plan = make_prefill(name, config, **knobs).plan(q, k, layer_idx)
     want = ref.prefill_blocks(name, q, k, config, layer_idx, **knobs)
     assert plan.blocks.shape == want.shape and torch.equal(plan.blocks, want)
-    dense = name == "dense" or config.is_dense_layer(layer_idx, case["n"])
+    dense = name == "dense" or layer_idx in config.dense_layers or case["n"] <= config.dense_prefix
     assert plan.dense == dense
     if name == "critiprefill" and not dense:  # the same budget B_0 for every head: all rigid
         assert bool(plan.rigid.all()) and bool((plan.budgets == config.base_budget).all())

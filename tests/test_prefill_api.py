@@ -275,8 +275,10 @@ def test_flags_take_bools_and_entropies_real_rows() -> None:
     calls = [
         (r"sparse_prefill_attention.compiled must be a bool \(True or False\)",
          lambda flag: sparse_prefill_attention(q, k, v, cfg, compiled=flag)),
-        (r"sparse_prefill_attention.compiled must be a bool \(True or False\)",
+        (r"StreamingPrefill.attention.compiled must be a bool \(True or False\)",
          lambda flag: policy.attention(q, k, v, compiled=flag)),
+        (r"StreamingPrefill.plan.compiled must be a bool or None \(None: the default's choice\)",
+         lambda flag: policy.plan(q, k, compiled=flag)),
         (r"select_blocks.compiled must be a bool or None \(None: the default's choice\)",
          lambda flag: fe.select_blocks(q, k, cfg, compiled=flag)),
         (r"segment_entropy.normalise must be a bool \(True or False\)",
@@ -452,7 +454,7 @@ def test_compiled_selection_equals_eager_across_lengths_without_recompiles() -> 
 
 
 def test_failed_selection_compile_warns_once_and_selects_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flexentropy.prefill.selection as selection
+    import flexentropy.policies.prefill.entropy.selection as selection
 
     def broken(*args: object, **kwargs: object) -> None:
         raise torch._inductor.exc.InductorError(RuntimeError("codegen failed"), None)
@@ -489,7 +491,7 @@ def test_cpu_autograd_gets_a_clear_error() -> None:
 def test_probe_kernel_knob_selects_the_same_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``probe_kernel=True`` routes the probe through `probe_mass_kernel` (eager flex off CUDA): same masses to float
     rounding, so the same plan here. The default (``None``, auto) takes the scored path on CPU."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     calls = []
     kernel_fn = probe_mass.probe_mass_kernel
@@ -527,7 +529,7 @@ def test_coverage_pair_budgets_are_the_reference_and_the_single_value_at_its_end
     """The budgets of the pair are the float64 reference's at every length, and those of the single value at the
     two ends (0.8 at 32k, 0.6 at 128k), on observation rows at the lengths the pair changes over."""
     from flexentropy.config import coverage_at
-    from flexentropy.prefill.selection import coverage_budgets
+    from flexentropy.policies.prefill.entropy.selection import coverage_budgets
 
     pair = EntropyConfig(segment_size=1024, block_size=128)
     segments = blocks * 128 // pair.segment_size
@@ -549,7 +551,7 @@ def test_coverage_pair_compiles_once_across_the_lengths_it_changes_over() -> Non
     length serve lengths below, inside and above the 32k-128k ramp without a new graph, and match eager ones."""
     from torch._dynamo.utils import counters
 
-    from flexentropy.prefill.selection import coverage_budgets
+    from flexentropy.policies.prefill.entropy.selection import coverage_budgets
 
     cfg = EntropyConfig(segment_size=1024, block_size=128)
     compiled = torch.compile(coverage_budgets, dynamic=True, fullgraph=True)
@@ -562,3 +564,132 @@ def test_coverage_pair_compiles_once_across_the_lengths_it_changes_over() -> Non
         if i == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a new length compiled the coverage budgets again"
+
+
+def test_the_old_prefill_paths_still_import_with_a_warning_naming_the_new_place() -> None:
+    """``flexentropy.prefill`` (the entropy rule's stages before they moved beside the other rules) keeps every name
+    it had, each the moved object itself, with a ``DeprecationWarning`` that says where to import it from."""
+    import importlib
+
+    import flexentropy as fe
+    from flexentropy.policies.prefill import fixed, ranking
+    from flexentropy.policies.prefill.entropy import selection
+
+    for module, name, new, obj in [
+        ("flexentropy.prefill", "select_blocks", "flexentropy", fe.select_blocks),
+        ("flexentropy.prefill", "SparsePlan", "flexentropy", fe.SparsePlan),
+        ("flexentropy.prefill.selection", "mass_cover", "flexentropy.policies.prefill.ranking", ranking.mass_cover),
+        ("flexentropy.prefill.selection", "fixed_blocks", "flexentropy.policies.prefill.fixed", fixed.fixed_blocks),
+        ("flexentropy.prefill.selection", "plan_blocks", "flexentropy.policies.prefill.entropy.selection",
+         selection.plan_blocks),
+        ("flexentropy.prefill.observation", "candidate_blocks", "flexentropy.policies.prefill.fixed",
+         fixed.candidate_blocks),
+    ]:
+        with pytest.warns(DeprecationWarning, match=f"{module}.{name} has moved: import it from {new} "):
+            assert getattr(importlib.import_module(module), name) is obj
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        _ = importlib.import_module("flexentropy.prefill.selection").nothing
+
+
+def test_no_layer_given_lets_only_the_length_decide() -> None:
+    """``layer_idx`` left out is "no layer": only the length decides (a layer of ``dense_layers`` is dense whatever
+    its length); it used to default to layer 1, which ran a call dense where ``dense_layers`` held 1."""
+    q, k, v = _qkv()
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=0, dense_layers=(1,))
+    assert not fe.select_blocks(q, k, cfg).dense and fe.select_blocks(q, k, cfg, 1).dense
+    assert not fe.make_prefill("xattention", cfg).plan(q, k).dense
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(sparse_prefill_attention(q, k, v, cfg, 1, compiled=False), dense)
+    policy = fe.make_prefill("entropy", cfg)
+    assert policy.runs_dense(None, 1000) is False and policy.runs_dense(1, 1000) is True
+    assert policy.runs_dense(None, 0) is True
+    assert torch.equal(policy.runs_dense(None, torch.tensor([0, 5, 1000])), torch.tensor([True, False, False]))
+    assert fe.make_prefill("dense", cfg).runs_dense(None, 1000) is True
+
+
+def test_every_front_door_asks_the_policy_whether_to_run_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense-or-sparse decision is one function, `PrefillPolicy.runs_dense`: told "dense", every front door of
+    the prefill runs dense attention (``fe.select_blocks``, ``fe.sparse_prefill_attention`` whole and chunked, a
+    policy's ``plan`` and ``attention``, `fe.EntropyAttention`, the vLLM plugin's routing of a step)."""
+    from flexentropy.integrations.vllm.routing import route
+    from flexentropy.policies import PrefillPolicy
+
+    asked: list[tuple[object, object]] = []
+
+    def dense(self: PrefillPolicy, layer_idx: int | None, key_length: object) -> object:
+        asked.append((layer_idx, key_length))
+        return key_length >= 0
+    monkeypatch.setattr(PrefillPolicy, "runs_dense", dense)
+    q, k, v = _qkv(n=1000)
+    cfg = EntropyConfig(segment_size=128, block_size=64, dense_prefix=0, dense_layers=())
+    reference_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert fe.select_blocks(q, k, cfg, 1).dense and fe.make_prefill("streaming", cfg).plan(q, k).dense
+    torch.testing.assert_close(sparse_prefill_attention(q, k, v, cfg, compiled=False), reference_out)
+    chunk = sparse_prefill_attention(q[..., 300:, :], k, v, cfg, compiled=False, q_start=300)
+    torch.testing.assert_close(chunk, reference_out[..., 300:, :])
+    torch.testing.assert_close(fe.make_prefill("xattention", cfg).attention(q, k, v, compiled=False), reference_out)
+    layer = fe.EntropyAttention(64, 4, 2, layer_idx=1, config=cfg, compiled=False)
+    with torch.no_grad():
+        layer(torch.randn(1, 600, 64))
+    routing = route(torch.tensor([0, 600, 1200]), torch.tensor([600, 900]), fe.make_prefill("entropy", cfg), 1)
+    assert routing.chunks == ()
+    assert len(asked) == 7 and asked[-1][0] is None
+
+
+SMALL_SPARSE = EntropyConfig(segment_size=128, block_size=64, dense_prefix=128, dense_layers=())
+"""The geometry of the compiled tests above (640 tokens, head dim 32): one graph for them all."""
+
+
+def test_keys_and_values_in_the_queries_memory_run_compiled() -> None:
+    """Issue 77, item 3: keys and values given as head slices of the queries' tensor (``x, x[:, :2], x[:, 2:]``) made
+    Inductor's CPU code fail to compile (CppCompileError: 's24' was not declared); the one path copies them, and the
+    output is that of separate tensors."""
+    x = _qkv(n=640, d=32)[0]
+    out = sparse_prefill_attention(x, x[:, :2], x[:, 2:], SMALL_SPARSE)
+    torch.testing.assert_close(out, sparse_prefill_attention(x, x[:, :2].clone(), x[:, 2:].clone(), SMALL_SPARSE))
+
+
+def test_a_numpy_scale_reaches_the_kernel_as_a_python_float() -> None:
+    """Issue 77, item 4: ``scale=np.float64(0.25)`` (or np.float32, np.int64) passed the check, then failed to compile
+    (BackendCompilerFailed: FakeTensorMode should not be set)."""
+    q, k, v = _qkv(n=640, d=32)
+    for scale, value in ((np.float64(0.25), 0.25), (np.float32(0.25), 0.25), (np.int64(1), 1.0)):
+        torch.testing.assert_close(sparse_prefill_attention(q, k, v, SMALL_SPARSE, scale=scale),
+                                   sparse_prefill_attention(q, k, v, SMALL_SPARSE, scale=value))
+
+
+@pytest.mark.parametrize(("scale", "error", "match"), [
+    (float("inf"), ValueError, "observation_attention.scale must be a finite number > 0, got inf"),
+    (float("nan"), ValueError, "observation_attention.scale must be a finite number > 0, got nan"),
+    (None, TypeError, "observation_attention.scale must be a number, got NoneType None"),
+    ("1", TypeError, "observation_attention.scale must be a number, got str '1'"),
+])
+def test_observation_attention_refuses_a_scale_it_cannot_use(scale: object, error: type, match: str) -> None:
+    """Issue 77, item 9: ``scale=inf`` returned non-finite values, ``scale=None`` a raw TypeError."""
+    q, k, _ = _qkv()
+    with pytest.raises(error, match=match):
+        fe.observation_attention(q, k, 128, 64, scale=scale)
+    assert fe.observation_attention(q, k, 128, 64, scale=np.float32(0.5)).isfinite().all()
+
+
+@pytest.mark.parametrize(("edit", "error", "match"), [
+    (lambda plan: dataclasses.replace(plan, blocks=plan.blocks[..., 1:, :]), ValueError,
+     r"plan.blocks is \(1, 4, 4, 10\) but these queries need .* = \[1, 4, 5, 10\]"),
+    (lambda plan: dataclasses.replace(plan, blocks=plan.blocks[:, :2]), ValueError, r"plan.blocks is \(1, 2, 5, 10\)"),
+    (lambda plan: dataclasses.replace(plan, blocks=plan.blocks.float()), TypeError,
+     "plan.blocks must be a bool tensor .* got torch.float32"),
+    (lambda plan: "plan", TypeError, "plan must be a SparsePlan .* got str 'plan'"),
+    (lambda plan: dataclasses.replace(plan, seq_len=-5), ValueError, "plan.seq_len must be an int >= 0, got -5"),
+    (lambda plan: dataclasses.replace(plan, block_size=32), ValueError, "plan.block_size must be 64 or 128"),
+    (lambda plan: dataclasses.replace(plan, dense="no"), TypeError, "plan.dense must be a bool"),
+])
+def test_a_plan_is_checked_where_it_enters(edit, error: type, match: str) -> None:
+    """Issue 77, item 11: a `SparsePlan` handed to the prefill is checked against the queries and keys: a table of the
+    wrong shape ran silently (densely), a float table, ``plan="plan"`` and ``seq_len=-5`` gave raw errors or were
+    taken."""
+    q, k, v = _qkv(n=640, d=32)
+    plan = fe.select_blocks(q, k, SMALL_SPARSE)
+    for call in (lambda p: sparse_prefill_attention(q, k, v, SMALL_SPARSE, plan=p, compiled=False),
+                 lambda p: fe.make_prefill("streaming", SMALL_SPARSE).attention(q, k, v, plan=p, compiled=False)):
+        with pytest.raises(error, match=match):
+            call(edit(plan))

@@ -1,4 +1,4 @@
-"""Property tests: the fast prefill path (flexentropy.prefill) against the dense oracle (reference.prefill)."""
+"""Property tests: the entropy rule (flexentropy.policies.prefill.entropy) against the oracle (reference.prefill)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from flexentropy import (
     sparse_prefill_attention,
 )
 from flexentropy.config import coverage_at
-from flexentropy.prefill.selection import coverage_budgets
+from flexentropy.policies.prefill.entropy.selection import coverage_budgets
 from flexentropy.sparse.kernel import kernel_options, run_plan
 
 
@@ -282,7 +282,7 @@ def test_cuda_probe_kernel_matches_the_scored_path(n: int, segment: int, dtype: 
     and with values narrower than the head dim (``PROBE_VALUE_DIM``).
     Until session 9 the kernel lost up to 28% of a probe's mass on the H200 (its BlockMask built inside the compiled
     graph); ``profiling/quality/probe_kernel_check.py`` is the same check as a script."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     if outputs:
         monkeypatch.setattr(probe_mass, "PROBE_KERNEL_OUTPUTS", outputs)
@@ -303,7 +303,7 @@ def test_cuda_probe_kernel_compiles_once_for_every_length(monkeypatch: pytest.Mo
     `flexentropy.warm_up` promises. Session 12 on the H200: with the chunks on the batch dim (1 at one chunk, which
     dynamo specialises) and views as inputs, a 64k prompt compiled again after a warm-up at 8k and 12k; with the
     chunks on the head dim (flex specialises head counts), every new chunk count compiled again."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     monkeypatch.setattr(probe_mass, "PROBE_VALUE_DIM", 32)          # chunks of 4096 keys, two 128-row query blocks
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -327,7 +327,7 @@ def test_probe_kernel_inputs_keep_one_layout(monkeypatch: pytest.MonkeyPatch) ->
     at several; the masses are the scored path's (run by eager flex here, on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     calls = []
 
@@ -392,7 +392,7 @@ def test_pooled_block_mass_matches_oracle(n: int, dim: int, group: int, probes: 
     """`pooled_block_mass` is the float64 oracle's pooled probe (every block as copies of its mean key up to the
     probe) on the candidate blocks, over ragged N, GQA and several chunks of probe rows; with the keys of every block
     equal it is the exact probe mass of `probe_block_mass`, and its rows sum to 1."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2
@@ -420,7 +420,7 @@ def test_probe_mass_kernel_matches_scored_chunks(n: int, dim: int, group: int, p
     is `probe_block_mass`'s scored path and, on the candidate blocks, `reference.prefill.probe_observation`: several key
     chunks (V * block < N), GQA, ragged N, several calls over probe rows (a small output cap), and values narrower
     than the head dim (`PROBE_VALUE_DIM`)."""
-    from flexentropy.prefill import probe_mass
+    from flexentropy.policies.prefill.entropy import probe_mass
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2 * group, n, dim, generator=gen) * 2

@@ -153,3 +153,35 @@ def test_gpu_smoke_reports_a_mismatch_as_a_failed_row(tmp_path: Path, monkeypatc
                                                                       ("kernel/auto", "defaults", True)]
     assert rows[1]["error"].startswith("Mismatch: covering plans differ from dense attention")
     assert rows[1]["frames"]
+
+
+def test_gpu_smoke_runs_the_plugin_with_the_default_rule_and_two_peers(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The smoke's vLLM paths (engines stood in for): ``vllm`` then ``vllm/<peer>`` for each of `VLLM_PEERS`, each
+    covering and at its defaults; the peers' entries name their rule (and its covering knobs), and vLLM's own backend
+    runs once, its row reused by the peers' covering rows."""
+    smoke = script("gpu_smoke")
+    calls: list[tuple[str, list[str], dict | None]] = []
+
+    def engines(_smoke: object, name: str, sides: list[str], config: dict | None) -> dict[str, dict]:
+        calls.append((name, sides, config))
+        return {side: {"tokens": [3, 4], "logprobs": [-0.5, -0.25], "counters": {"sparse_chunks": 2}, "chunk": 512,
+                       "start_s": 1.0} for side in sides}
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(smoke, "vllm_rows", engines)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    out = tmp_path / "smoke.jsonl"
+    assert smoke.main(["--device", "cpu", "--tiny", "--paths", "vllm", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    paths = ["vllm", *(f"vllm/{peer}" for peer in smoke.VLLM_PEERS)]
+    assert [(r["path"], r["variant"], r["ok"]) for r in rows] == [(p, v, True) for p in paths
+                                                                  for v in ("covering", "defaults")]
+    assert [sides for _, sides, _ in calls] == [["vllm", "flexentropy"], *[["flexentropy"]] * (2 * len(paths) - 1)]
+    for peer in smoke.VLLM_PEERS:
+        by = {name: config for name, _, config in calls if peer in name}
+        assert by[f"vllm_{peer}_defaults"] == {"prefill": peer}
+        covering = by[f"vllm_{peer}_covering"]
+        assert covering["prefill"] == peer and covering["prefill_knobs"] == smoke.PEER_COVERING[peer]
+    assert dict((name, config) for name, _, config in calls)["vllm_defaults"] is None

@@ -16,7 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexentropy import EntropyConfig
+import flexentropy as fe
+from flexentropy import EntropyConfig, make_prefill
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.integrations.vllm.paged import (
     flash_pages,
@@ -24,8 +25,8 @@ from flexentropy.integrations.vllm.paged import (
     gather_pages,
     learn_page_layout,
 )
-from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
-from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
+from flexentropy.integrations.vllm.routing import Chunk, parent_metadata, route, unsupported_step
+from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config, plugin_policy
 from flexentropy.integrations.vllm.warm_up import warm_up_chunks
 from flexentropy.settings import parse_settings
 
@@ -47,8 +48,10 @@ def test_config_off_without_the_entry_defaults_with_an_empty_one() -> None:
 @pytest.mark.parametrize(("entry", "error", "says"), [
     ({"dense_prefx": 1}, ValueError, "unknown field(s) ['dense_prefx']"),
     ({"decode_budget": 512}, ValueError, "KV-cache eviction"),
-    ({"prefill": "flexprefill"}, ValueError, "prefill='flexprefill' is not supported"),
-    ({"prefill_knobs": {"window": 128}}, ValueError, "'prefill_knobs' is not supported"),
+    ({"prefill": "flexprefill", "prefill_knobs": {"gamma": 2.0}}, ValueError,
+     "additional_config['flexentropy']: FlexPrefill.gamma must be a finite number in [0.0, 1.0]"),
+    ({"prefill": "sparse"}, ValueError, "additional_config['flexentropy']['prefill'] must be one of"),
+    ({"prefill_knobs": [128]}, TypeError, "['prefill_knobs'] must be a mapping of the prefill policy's knobs"),
     ({"block_size": 96}, ValueError, "additional_config['flexentropy']: EntropyConfig.block_size must be 64 or 128"),
     ({"coverage": "high"}, TypeError, "coverage"),
     ([1, 2], TypeError, "must be a mapping of EntropyConfig fields"),
@@ -57,6 +60,26 @@ def test_config_errors_say_what_to_write(entry: object, error: type[Exception], 
     with pytest.raises(error) as caught:
         plugin_config({CONFIG_KEY: entry})
     assert says in str(caught.value)
+
+
+RULES = {"dense": {}, "entropy": {}, "entropy_paper": {}, "critiprefill": {"observation": "paper"},
+         "streaming": {"window": 512}, "flexprefill": {"gamma": 0.8, "tau": 0.2}, "xattention": {"threshold": 0.8},
+         "vertical_slash": {"vertical": 100, "slash": 200}}
+"""Every rule of `flexentropy.PREFILL_POLICIES`, with knobs of its own where it has some."""
+
+
+def test_every_rule_is_chosen_by_the_entry_and_read_once() -> None:
+    """``{"prefill": name, "prefill_knobs": {...}}`` picks any rule of `flexentropy.PREFILL_POLICIES` with its knobs
+    (issue 74: the plugin refused every rule but ``entropy``); the entry is read once per process, every caller of
+    the engine getting the same policy object (the plugin parsed it four times)."""
+    assert set(RULES) == set(fe.PREFILL_POLICIES)
+    for name, knobs in RULES.items():
+        entry = {"dense_prefix": 1024, "prefill": name, "prefill_knobs": knobs}
+        policy = plugin_policy({CONFIG_KEY: entry})
+        assert policy == make_prefill(name, EntropyConfig(dense_prefix=1024), **knobs)
+        assert plugin_policy({CONFIG_KEY: dict(entry), "other_plugin": 1}) is policy
+        assert plugin_config({CONFIG_KEY: entry}) == EntropyConfig(dense_prefix=1024)
+    assert plugin_policy({CONFIG_KEY: {}}) == make_prefill("entropy")
 
 
 @pytest.mark.parametrize("entry", [
@@ -99,14 +122,14 @@ def test_layer_checks() -> None:
 # routing
 
 
-CONFIG = EntropyConfig(dense_prefix=1000)
+POLICY = make_prefill("entropy", EntropyConfig(dense_prefix=1000))
 
 
 def reference_route(query_lens: list[int], seq_lens: list[int], decode_len: int) -> tuple[list[Chunk], list[int], int]:
     """The rule, one request at a time."""
     chunks, dense, dense_prompts, start = [], [], 0, 0
     for r, (m, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if m > decode_len and n > CONFIG.dense_prefix:
+        if m > decode_len and n > POLICY.config.dense_prefix:
             chunks.append(Chunk(r, start, start + m, n - m))
         else:
             dense.append(r)
@@ -133,17 +156,17 @@ def starts_of(query_lens: list[int]) -> torch.Tensor:
 @given(steps(), st.sampled_from([1, 3]))
 def test_route_matches_the_rule(step: tuple[list[int], list[int]], decode_len: int) -> None:
     query_lens, seq_lens = step
-    routing = route(starts_of(query_lens), torch.tensor(seq_lens, dtype=torch.int32), CONFIG, decode_len)
+    routing = route(starts_of(query_lens), torch.tensor(seq_lens, dtype=torch.int32), POLICY, decode_len)
     chunks, dense, dense_prompts = reference_route(query_lens, seq_lens, decode_len)
     assert list(routing.chunks) == chunks
-    assert routing.dense_requests.tolist() == dense
+    assert routing.parent_requests.tolist() == dense
     assert routing.dense_prompt_chunks == dense_prompts
     assert all(c.key_length == seq_lens[c.request] for c in routing.chunks)
 
 
 @dataclass
 class Metadata:
-    """The fields of vLLM's ``CommonAttentionMetadata`` that `dense_metadata` reads or carries (a stand-in)."""
+    """The fields of vLLM's ``CommonAttentionMetadata`` that `parent_metadata` reads or carries (a stand-in)."""
 
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor
@@ -172,12 +195,12 @@ def metadata_of(query_lens: list[int], seq_lens: list[int]) -> Metadata:
 
 
 @given(steps())
-def test_dense_metadata_is_the_sub_batch(step: tuple[list[int], list[int]]) -> None:
+def test_parent_metadata_is_the_sub_batch(step: tuple[list[int], list[int]]) -> None:
     query_lens, seq_lens = step
     metadata = metadata_of(query_lens, seq_lens)
-    routing = route(metadata.query_start_loc_cpu, metadata.seq_lens_cpu_upper_bound, CONFIG, 1)
-    result = dense_metadata(metadata, routing)
-    keep = routing.dense_requests.tolist()
+    routing = route(metadata.query_start_loc_cpu, metadata.seq_lens_cpu_upper_bound, POLICY, 1)
+    result = parent_metadata(metadata, routing)
+    keep = routing.parent_requests.tolist()
     if not keep:
         assert result is None
         return

@@ -197,29 +197,42 @@ def test_installed_but_not_chosen_is_vllm_own(vllm_own: list[Answer], tiny_llama
         "without the plugin; --additional-config '{\"flexentropy\": {}}' turns it on"]
 
 
-def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[Answer], tiny_llama: Path,
+COVERING = {"entropy": {"coverage": 1.0}, "entropy_paper": {"base_budget": 4096},
+            "critiprefill": {"base_budget": 4096}, "streaming": {"prefill_knobs": {"window": 4096}},
+            "flexprefill": {"prefill_knobs": {"gamma": 1.0}}, "xattention": {"prefill_knobs": {"threshold": 1.0}},
+            "vertical_slash": {"prefill_knobs": {"vertical": 4096, "slash": 4096}}, "dense": {}}
+"""Each rule of `flexentropy.PREFILL_POLICIES` with knobs that keep every key block of the tiny model's prompts."""
+
+
+@pytest.mark.parametrize("rule", COVERING)
+def test_every_block_kept_equals_vllm_own_backend(vllm_own: list[Answer], tiny_llama: Path, rule: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Coverage 1.0 keeps every key block: the sparse kernel computes dense attention, so the greedy tokens and their
-    log-probabilities are vLLM's own, through mixed steps whose decode rows lead the step and steps where they sit
-    between prompt chunks, and for a prompt whose first `CACHED` tokens come from vLLM's prefix cache."""
+    """Every prefill rule, chosen by the ``"flexentropy"`` entry (``{"prefill": rule, "prefill_knobs": ...}``), with
+    knobs that keep every key block: the sparse kernel computes dense attention, so the greedy tokens and their
+    log-probabilities are vLLM's own, under chunked prefill, through mixed steps whose decode rows lead the step and
+    steps where they sit between prompt chunks, and for a prompt whose first `CACHED` tokens come from vLLM's prefix
+    cache. The ``dense`` rule leaves every chunk to vLLM's kernel."""
     from flexentropy.integrations.vllm import backends
 
     leading: list[bool] = []
 
     def spy(metadata: Any, routing: Any) -> Any:
-        result = backends_dense_metadata(metadata, routing)
+        result = backends_parent_metadata(metadata, routing)
         if result is not None:
             leading.append(isinstance(result[1], slice))
         return result
 
-    backends_dense_metadata = backends.dense_metadata
-    monkeypatch.setattr(backends, "dense_metadata", spy)
-    got, stats = run(tiny_llama, *tiny_batches(), plugin=True, config={"coverage": 1.0, "dense_prefix": 512},
-                     skip_tokenizer_init=True)
+    backends_parent_metadata = backends.parent_metadata
+    monkeypatch.setattr(backends, "parent_metadata", spy)
+    config = {"prefill": rule, "dense_prefix": 512, **COVERING[rule]}
+    got, stats = run(tiny_llama, *tiny_batches(), plugin=True, config=config, skip_tokenizer_init=True)
     for answer, own in zip(got, vllm_own, strict=True):
         assert answer.tokens == own.tokens
         assert answer.logprobs == pytest.approx(own.logprobs, abs=1e-4)
     assert 512 < got[-1].cached_tokens <= CACHED, got[-1]   # whole pages: its chunks start past dense_prefix
+    if rule == "dense":
+        assert (stats.sparse_chunks, stats.sparse_layers) == (0, 0) and stats.dense_chunks > 0, stats
+        return
     assert stats.sparse_chunks > 0 and stats.sparse_layers > 0, stats
     assert stats.mean_density == pytest.approx(1.0), stats
     assert set(leading) == {True, False}, leading
@@ -233,7 +246,8 @@ def test_defaults_run_every_chunk_past_the_prefix_sparse(in_process: None, tiny_
     [answer], stats = run(tiny_llama, token_prompts(3072), plugin=True, config={"dense_prefix": 512}, new_tokens=4,
                           skip_tokenizer_init=True, max_num_batched_tokens=512, max_num_seqs=1)
     assert notices[0] == (f"flexentropy: on: vLLM's CPU_ATTN backend runs the prompt chunks whose keys reach past "
-                          f"dense_prefix=512 tokens sparse ({EntropyConfig(dense_prefix=512)})")
+                          f"dense_prefix=512 tokens by the 'entropy' prefill (knobs {{}}, "
+                          f"{EntropyConfig(dense_prefix=512)})")
     assert len(answer.tokens) == 4
     assert (stats.sparse_chunks, stats.dense_chunks) == (5, 1), stats
     assert (stats.sparse_layers, stats.dense_layers) == (5 * 2, 5 * 1), stats
@@ -266,7 +280,7 @@ def test_start_up_compiles_what_requests_need(in_process: None, tiny_llama: Path
 
 @pytest.mark.parametrize(("config", "says"), [
     ({"dense_prefx": 512}, "unknown field(s) ['dense_prefx']"),
-    ({"prefill": "xattention"}, "prefill='xattention' is not supported"),
+    ({"prefill": "xattention", "prefill_knobs": {"threshold": 2.0}}, "XAttention.threshold must be"),
 ])
 def test_bad_configuration_fails_at_start_up(in_process: None, tiny_llama: Path, config: dict[str, Any],
                                              says: str) -> None:

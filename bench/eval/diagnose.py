@@ -47,8 +47,8 @@ from bench.eval.metrics import string_match_all
 from bench.eval.resolve import apply_prefill, make_prefill_policy
 from bench.eval.runner import Loaded
 from bench.eval.tasks import make_sample, sample_ids
+from flexentropy import observation_attention
 from flexentropy.config import EntropyConfig
-from flexentropy.prefill.observation import observation_attention
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 REGIONS = ("none", "all", "question", "after_needle", "before_needle")
@@ -243,7 +243,7 @@ def diagnose_sample(loaded: Loaded, policy: Any, task: str, length: int, index: 
 
     layers: dict[int, dict[str, Any]] = {}
     for layer in capture_qkv(model, ids):
-        if config.is_dense_layer(layer.layer_idx, len(ids)):
+        if policy.runs_dense(layer.layer_idx, len(ids)):
             continue
         with torch.compiler.set_stance("force_eager"):  # a batch of 1 would compile the selection once more
             plan = policy.plan(layer.q, layer.k, layer.layer_idx)

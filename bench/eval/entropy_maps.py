@@ -22,8 +22,8 @@ import torch
 from bench.eval.capture import LayerQKV
 from bench.eval.metrics import spearman
 from bench.eval.plotting import pyplot, save
+from flexentropy import allocate_budgets, observation_attention, segment_entropy
 from flexentropy.config import MASS_OBSERVATIONS, EntropyConfig
-from flexentropy.prefill import allocate_budgets, observation_attention, segment_entropy
 from flexentropy.settings import parse_settings
 
 QUANTILES = (0.1, 0.25, 0.5)

@@ -31,7 +31,7 @@ from bench.eval.metrics import spearman
 from bench.eval.plotting import pyplot, save
 from bench.eval.resolve import make_prefill_policy, prefill_has_budget
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
-from flexentropy.prefill.selection import dense_segments
+from flexentropy.policies.prefill.fixed import dense_segments
 from flexentropy.sparse.plan import SparsePlan, causal_blocks
 
 FIELDS = ("context", "policy", "budget", "layer", "head", "density", "mass_kept", "rel_error", "mass_kept_sparse",

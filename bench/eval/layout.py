@@ -10,7 +10,7 @@ import torch
 
 from bench.eval.tasks import Sample
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig
-from flexentropy.prefill.selection import dense_segments
+from flexentropy.policies.prefill.fixed import dense_segments
 
 
 def find_tokens(ids: torch.Tensor, pattern: list[int], last: bool = False) -> int:

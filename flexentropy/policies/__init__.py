@@ -32,7 +32,7 @@ from flexentropy.policies.cache.streamingllm import StreamingLLM
 from flexentropy.policies.layer_view import LayerView
 from flexentropy.policies.prefill.critiprefill import CritiPrefill
 from flexentropy.policies.prefill.dense import DensePrefill
-from flexentropy.policies.prefill.entropy import EntropyPaperPrefill, EntropyPrefill
+from flexentropy.policies.prefill.entropy.policy import EntropyPaperPrefill, EntropyPrefill
 from flexentropy.policies.prefill.flexprefill import FlexPrefill
 from flexentropy.policies.prefill.streaming import StreamingPrefill
 from flexentropy.policies.prefill.vertical_slash import VerticalSlash
@@ -113,6 +113,17 @@ def make_prefill(policy: str | PrefillPolicy = "entropy", config: EntropyConfig 
     return cls(config=config, **{k: v for k, v in knobs.items() if k in own})
 
 
+def prefill_policy(prefill: str | PrefillPolicy = "entropy", config: EntropyConfig | None = None) -> PrefillPolicy:
+    """The prefill policy a front door runs (`flexentropy.enable`, `flexentropy.EntropyAttention`): a name of
+    `PREFILL_POLICIES` on ``config`` (default ``EntropyConfig()``) with the rule's default knobs, or a `PrefillPolicy`
+    as is (it carries its config: leave ``config`` None or pass the same one)."""
+    if isinstance(prefill, PrefillPolicy):
+        if config is not None and config != prefill.config:
+            raise TypeError("a PrefillPolicy carries its EntropyConfig: pass config=None (or the policy's own config)")
+        return prefill
+    return make_prefill(prefill, check_config(config, optional=True))
+
+
 def make_cache_policy(policy: str | CachePolicy, **knobs: Any) -> CachePolicy:
     """A cache policy (the rule, without storage) by name, with its knobs (or a `CachePolicy` as is)."""
     if isinstance(policy, CachePolicy):
@@ -151,4 +162,5 @@ __all__ = [
     "XAttention",
     "make_cache_policy",
     "make_prefill",
+    "prefill_policy",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexentropy._checks import is_int
 from flexentropy.config import Q_BLOCK_SIZE
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -242,3 +243,37 @@ class SparsePlan:
         causal = causal_blocks(self.seq_len, self.block_size, self.blocks.device, q_start=self.q_start)
         total = causal.sum() * self.blocks.shape[0] * self.blocks.shape[1]
         return torch.where(total > 0, self.blocks.sum() / total.clamp(min=1), 1.0).float()
+
+
+def check_plan(plan: object, q: torch.Tensor, k: torch.Tensor, q_start: int) -> None:
+    """Raise unless ``plan`` is a `SparsePlan` for the queries ``q [B, Hq, M, D]`` at ``q_start`` over ``k [B, Hkv,
+    q_start + M, D]`` (checked): a bool block table ``[B, Hq, C_Q, C_B]`` on their device with the rows and key blocks
+    of these positions, ``seq_len``, ``q_start`` and ``block_size`` ints that say so (64 or 128 key tokens)."""
+    if not isinstance(plan, SparsePlan):
+        raise TypeError(f"plan must be a SparsePlan (from select_blocks or a prefill policy's plan) or None, got "
+                        f"{type(plan).__name__} {plan!r}"[:300])
+    blocks = plan.blocks
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
+        got = (f"{blocks.dtype} of shape {tuple(blocks.shape)}" if isinstance(blocks, torch.Tensor)
+               else type(blocks).__name__)
+        raise TypeError(f"plan.blocks must be a bool tensor [batch, query heads, query blocks, key blocks], got {got}")
+    for name in ("seq_len", "q_start", "block_size"):
+        value = getattr(plan, name)
+        if not is_int(value) or value < 0:
+            raise ValueError(f"plan.{name} must be an int >= 0, got {value!r}")
+    if plan.block_size not in (64, 128):
+        raise ValueError(f"plan.block_size must be 64 or 128 (key tokens per block), got {plan.block_size}")
+    if not isinstance(plan.dense, bool):
+        raise TypeError(f"plan.dense must be a bool, got {plan.dense!r}")
+    seq_len = k.shape[-2]
+    if (plan.q_start, plan.seq_len) != (q_start, seq_len):
+        raise ValueError(f"plan is for q_start={plan.q_start}, N={plan.seq_len} but q {tuple(q.shape)} is at "
+                         f"q_start={q_start} over {seq_len} keys: plan these queries (select_blocks or a policy's "
+                         "plan with the same q_start)")
+    rows = len(query_blocks(seq_len, q_start))
+    expected = (q.shape[0], q.shape[1], rows, -(-seq_len // plan.block_size))
+    if tuple(blocks.shape) != expected:
+        raise ValueError(f"plan.blocks is {tuple(blocks.shape)} but these queries need [batch, query heads, query "
+                         f"blocks of {Q_BLOCK_SIZE}, key blocks of {plan.block_size}] = {list(expected)}")
+    if blocks.device != q.device:
+        raise ValueError(f"plan.blocks is on {blocks.device} but q is on {q.device}; put them on one device")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
-from flexentropy.prefill.selection import dense_segments  # noqa: E402
+from flexentropy.policies.prefill.fixed import dense_segments  # noqa: E402
 from flexentropy.sparse.plan import causal_blocks  # noqa: E402
 
 GEOMETRY = dict(segment_size=512, block_size=128, dense_prefix=4096)

@@ -290,7 +290,7 @@ def plan_rows(whole: Any, query: Any, key: Any, config: Any) -> Any:
     """The rows of the whole prompt's plan ``whole`` that hold the chunk ``query`` over ``key`` (a plan of the chunk);
     a dense plan for a layer the whole prompt ran dense (None)."""
     from flexentropy.config import Q_BLOCK_SIZE
-    from flexentropy.prefill.selection import dense_plan
+    from flexentropy.policies.prefill.fixed import dense_plan
     from flexentropy.sparse.plan import SparsePlan
 
     n = key.shape[-2]
@@ -455,7 +455,7 @@ class HFRunner:
         block)."""
         import torch
 
-        from flexentropy.prefill.selection import dense_plan
+        from flexentropy.policies.prefill.fixed import dense_plan
 
         heads = self.model.config.num_attention_heads
         for layer_idx, plan in whole_plans(self.model).items():

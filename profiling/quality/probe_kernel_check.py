@@ -21,7 +21,7 @@ from unittest.mock import patch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from flexentropy.prefill import probe_mass  # noqa: E402
+from flexentropy.policies.prefill.entropy import probe_mass  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 BLOCK, PROBES = 128, 16

@@ -59,7 +59,7 @@ from mass_study import block_mass, dense_rows  # noqa: E402
 
 from flexentropy.config import Q_BLOCK_SIZE, EntropyConfig  # noqa: E402
 from flexentropy.policies import make_prefill  # noqa: E402
-from flexentropy.prefill.probe_mass import probe_positions  # noqa: E402
+from flexentropy.policies.prefill.entropy.probe_mass import probe_positions  # noqa: E402
 
 NEEDLES = ("ask 1", "ask 2", "ask 3", "unasked")
 SPARSE_Q = dict(dense_last_segment=False)   # the question's rows get the rule's plan, not the dense tail

@@ -6,8 +6,9 @@ transformers 5.24, ``past_key_values`` before), which HF does not pass on to att
 ``flexentropy_cache`` by a forward pre-hook that `flexentropy.enable` registers (`hooks.hand_over_cache`). A
 flexentropy `PolicyCache` gets the queries, padding and sliding windows it needs (the hand-over of design.md §3.2).
 
-What runs: a prompt (no past) runs the layer's prefill policy on the layers that go sparse (global attention, not in
-``dense_layers``), each left-padded row on its own real tokens; the others run HF's SDPA with HF's mask. Decode
+What runs: a prompt (no past) goes to the layer's prefill policy (`PrefillPolicy.run`), which decides dense or sparse
+(`PrefillPolicy.runs_dense`), plans and runs the kernel, each left-padded row on its own real tokens; sliding-window
+layers, and the layers the policy runs dense, run HF's SDPA with HF's mask. Decode
 steps over a `PolicyCache` go through ``cache.attend`` (kept positions, ragged layouts), or, in a static step run by
 layer arguments, through `step_attention` on the layer's `StepLayer`; over other caches, SDPA.
 ``torch.compile(model)`` traces all of this. Inference only, causal attention only.
@@ -27,7 +28,7 @@ from flexentropy.caches.policy_cache import PolicyCache
 from flexentropy.caches.static_buffers import step_attention
 from flexentropy.integrations.hf.layer_state import LayerState, layer_state
 from flexentropy.integrations.hf.mask import real_tokens
-from flexentropy.prefill import SparsePlan, sparse_prefill_attention
+from flexentropy.sparse.plan import SparsePlan
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -75,8 +76,7 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
              mask: torch.Tensor | None, scaling: float | None, sliding_window: int | None
              ) -> tuple[torch.Tensor, None]:
     """A prompt's attention (``query``, ``key``, ``value``: ``[B, H, N, D]``); see the module docstring."""
-    dense = state.prefill == "dense" or state.config.is_dense_layer(module.layer_idx, query.shape[-2])
-    if sliding_window is not None or dense:
+    if sliding_window is not None or state.policy.runs_dense(module.layer_idx, query.shape[-2]):
         _record(state, [] if sliding_window is not None else [None])
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
     if mask is None:
@@ -114,13 +114,10 @@ def _prefill(module: nn.Module, state: LayerState, query: torch.Tensor, key: tor
 
 
 def _sparse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: LayerState, layer_idx: int,
-            scaling: float | None) -> tuple[torch.Tensor, SparsePlan]:
-    """Sparse prefill of one layer under the layer's prefill policy (its plan through ``state.plan_edit`` when given):
-    ``([B, Hq, N, Dv], plan)``."""
-    plan = state.policy.plan(query, key, layer_idx)
-    if state.plan_edit is not None:
-        plan = state.plan_edit(layer_idx, query, key, plan)
-    return sparse_prefill_attention(query, key, value, state.config, layer_idx, scale=scaling, plan=plan), plan
+            scaling: float | None) -> tuple[torch.Tensor, SparsePlan | None]:
+    """The prefill of one layer (or row) by the layer's prefill policy (`PrefillPolicy.run`; its sparse plans through
+    ``state.plan_edit`` when given): ``([B, Hq, N, Dv], plan)``, the plan None where it ran dense."""
+    return state.policy.run(query, key, value, layer_idx, scale=scaling, edit=state.plan_edit)
 
 
 def _record(state: LayerState, plans: list[SparsePlan | None]) -> None:

@@ -1,16 +1,15 @@
-"""What each attention module of a switched transformers model keeps: its `LayerState` (the model's `Settings`, the
-prefill policy they name, the module's last prefill plans and densities), `layer_state` to read it, and
+"""What each attention module of a switched transformers model keeps: its `LayerState` (the model's `Settings`, whose
+prefill policy the module runs, and the module's last prefill plans and densities), `layer_state` to read it, and
 `prefill_density`, the last prefill's density over the layers.
 
-The `Settings` are `enable`'s (one object for the whole model, `flexentropy.settings`); a model loaded with
-``attn_implementation="flexentropy"`` and never enabled gets them parsed from the record on its config, once per
-module, on first use.
+The `Settings` are `enable`'s (one object, one policy, for the whole model, `flexentropy.settings`); a model loaded
+with ``attn_implementation="flexentropy"`` and never enabled gets them read from the record on its config on first
+use, once for all its modules (`read_settings`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,16 +18,13 @@ from torch import nn
 from flexentropy._checks import check_has
 from flexentropy.config import EntropyConfig
 from flexentropy.integrations.hf.tensor_parallel import ATTENTION_MODULE
-from flexentropy.policies import PrefillPolicy, make_prefill
-from flexentropy.prefill import SparsePlan
-from flexentropy.settings import CONFIG_ATTR, Settings, parse_settings
+from flexentropy.policies import PrefillPolicy
+from flexentropy.policies.base import PlanEdit
+from flexentropy.settings import CONFIG_ATTR, Settings, read_settings
+from flexentropy.sparse.plan import SparsePlan
 
 STATE_ATTR = "flexentropy_state"
 """Attribute of each attention module holding its `LayerState`."""
-
-PlanEdit = Callable[[int, torch.Tensor, torch.Tensor, SparsePlan], SparsePlan]
-"""``(layer_idx, query [B, Hq, N, D], key [B, Hkv, N, D], plan) -> plan``: applied to each sparse prefill plan before
-the kernel runs it (`LayerState.plan_edit`; diagnostics such as hybrid dense/sparse runs)."""
 
 
 @dataclass
@@ -36,7 +32,8 @@ class LayerState:
     """What :func:`attention_forward` knows about one attention module.
 
     Attributes:
-        settings: the model's `Settings` (its config, prefill policy and knobs; `config` and `prefill` read them).
+        settings: the model's `Settings` (its prefill policy, on its config; `policy`, `config` and `prefill` read
+            them).
         plans: the last prefill's plans, one per batch row run sparse (None for a row or layer run densely);
             empty before any prefill, for sliding-window layers, under ``torch.compile``, and when ``keep_plans`` is
             False. Kept as tensors so the prefill path never waits on the GPU.
@@ -54,11 +51,11 @@ class LayerState:
     keep_plans: bool = True
     densities: list[torch.Tensor | None] = field(default_factory=list)
     plan_edit: PlanEdit | None = None
-    policy: PrefillPolicy = field(init=False, repr=False)
-    """The prefill policy the settings name, on their config, with its own knobs."""
 
-    def __post_init__(self) -> None:
-        self.policy = make_prefill(self.settings.prefill, self.settings.config, **self.settings.knobs)
+    @property
+    def policy(self) -> PrefillPolicy:
+        """The model's prefill policy, which this module's prefill runs."""
+        return self.settings.policy
 
     @property
     def config(self) -> EntropyConfig:
@@ -83,7 +80,7 @@ def layer_state(module: nn.Module) -> LayerState:
     state = getattr(module, STATE_ATTR, None)
     if state is None:
         check_has("layer_state", "module", module, ("config", "layer_idx"), ATTENTION_MODULE)
-        state = LayerState(parse_settings(getattr(module.config, CONFIG_ATTR, None)))
+        state = LayerState(read_settings(getattr(module.config, CONFIG_ATTR, None)))
         setattr(module, STATE_ATTR, state)
     return state
 

@@ -20,13 +20,13 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from flexentropy._checks import check_bool, check_int
-from flexentropy.config import EntropyConfig, check_config
+from flexentropy.config import EntropyConfig
 from flexentropy.integrations.hf import hooks
 from flexentropy.integrations.hf.attention import attention_forward
 from flexentropy.integrations.hf.layer_state import STATE_ATTR, LayerState, attention_modules
 from flexentropy.integrations.hf.mask import logical_mask
 from flexentropy.integrations.hf.tensor_parallel import local_heads
-from flexentropy.policies import PrefillPolicy, make_prefill
+from flexentropy.policies import PrefillPolicy, prefill_policy
 from flexentropy.settings import CONFIG_ATTR, SETTINGS_ATTR, Settings, check_prefill, settings_dict
 from flexentropy.sparse.kernel import COMPILED_DTYPES
 from flexentropy.surgery.chunked_mlp import MLP_CHUNK, chunk_mlp, chunked_tokens, mlp_modules
@@ -69,8 +69,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     """Switch a loaded transformers model to flexentropy attention, in place; returns ``model``.
 
     Gives the model its own copy of its transformers config (another model built from the same config object keeps
-    its attention and settings), sets ``attn_implementation="flexentropy"`` there, puts one `Settings` (``config``,
-    ``prefill`` and its knobs) on the model and every attention module, records them on ``model.config.flexentropy``
+    its attention and settings), sets ``attn_implementation="flexentropy"`` there, puts one `Settings` (the prefill
+    policy, built once here, on ``config``) on the model and every attention module, records them on
+    ``model.config.flexentropy``
     (for ``save_pretrained``: nothing reads that dict back while the model is enabled, so editing it changes
     nothing), and installs the hooks of
     `flexentropy.integrations.hf.hooks` (among them the pre-hook that hands the cache argument, e.g. a `LatentKVCache`,
@@ -97,19 +98,15 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable expects a transformers PreTrainedModel, got {type(model).__name__}")
-    if isinstance(prefill, PrefillPolicy):
-        if config is not None and config != prefill.config:
-            raise TypeError("a PrefillPolicy carries its EntropyConfig: pass config=None (or the policy's own config)")
-        config, prefill, knobs = prefill.config, prefill.name, prefill.knobs
-    else:
-        knobs = {}
-    config = check_config(config, optional=True)
-    check_prefill(prefill)
+    if not isinstance(prefill, PrefillPolicy):
+        check_prefill(prefill)
+    policy = prefill_policy(prefill, config)
+    config = policy.config
     check_bool("enable", "keep_plans", keep_plans)
     if mlp_chunk is not None:
         check_int("enable", "mlp_chunk", mlp_chunk, 1)
     check_supported(model.config)
-    if prefill != "dense" and model.dtype not in COMPILED_DTYPES:
+    if not policy.always_dense and model.dtype not in COMPILED_DTYPES:
         raise TypeError(f"flexentropy's sparse prefill runs compiled FlexAttention, which takes float16, bfloat16 or "
                         f"float32; the model is {model.dtype}: load it in one of those (or use prefill='dense')")
     modules = attention_modules(model)
@@ -124,9 +121,9 @@ def enable(model: PreTrainedModel, config: EntropyConfig | None = None, *, prefi
     register()
     own_config(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    settings = Settings(config, prefill, knobs)
+    settings = Settings(policy)
     setattr(model, SETTINGS_ATTR, settings)
-    setattr(model.config, CONFIG_ATTR, settings_dict(config, prefill, knobs))
+    setattr(model.config, CONFIG_ATTR, settings_dict(config, policy.name, policy.knobs))
     for module in modules:
         setattr(module, STATE_ATTR, LayerState(settings, keep_plans=keep_plans))
     hooks.install(model, modules)
@@ -181,8 +178,7 @@ def enabled(model: PreTrainedModel, config: EntropyConfig | None = None, *, pref
         if previous is None:
             disable(model)
         else:
-            enable(model, prefill=make_prefill(previous.prefill, previous.config, **previous.knobs), keep_plans=kept,
-                   mlp_chunk=chunk)
+            enable(model, prefill=previous.policy, keep_plans=kept, mlp_chunk=chunk)
 
 
 def own_config(model: PreTrainedModel) -> None:

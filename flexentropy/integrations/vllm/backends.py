@@ -14,7 +14,11 @@ things:
   `SparseStep`: the parent's metadata for the other requests and the list of chunks;
 - its implementation (`SparsePrefillImpl`) runs a `SparseStep`: the parent's kernel on the other requests' rows,
   then, for each chunk, the request's keys and values of positions ``0 .. end`` gathered from the paged cache (this
-  step's are written before attention runs) and `flexentropy.sparse_prefill_attention` with ``q_start``.
+  step's are written before attention runs) and the engine's prefill policy on them (`PrefillPolicy.run`: the chunk
+  is the last rows of its keys).
+
+The engine's prefill policy (`settings.plugin_policy`: any rule of `flexentropy.PREFILL_POLICIES`, its knobs and
+`EntropyConfig`) is read once per engine and held by the builder and every layer's implementation.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from flexentropy.config import EntropyConfig
 from flexentropy.integrations.vllm.paged import (
     PageLayout,
     flash_pages,
@@ -40,12 +43,11 @@ from flexentropy.integrations.vllm.paged import (
     learn_page_layout,
 )
 from flexentropy.integrations.vllm.plugin import EXTENDED_BACKENDS
-from flexentropy.integrations.vllm.routing import Chunk, dense_metadata, route, unsupported_step
-from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_config
+from flexentropy.integrations.vllm.routing import Chunk, parent_metadata, route, unsupported_step
+from flexentropy.integrations.vllm.settings import CONFIG_KEY, check_layer, plugin_policy
 from flexentropy.integrations.vllm.stats import COUNTERS, notice_once
 from flexentropy.integrations.vllm.warm_up import warm_up_chunks
-from flexentropy.prefill.selection import select_blocks
-from flexentropy.prefill.sparse_prefill import sparse_prefill_attention
+from flexentropy.policies import PrefillPolicy
 from flexentropy.sparse.plan import SparsePlan
 
 
@@ -54,14 +56,15 @@ class SparseStep:
     """A step's attention metadata when it holds long prompt chunks (`SparsePrefillBuilder.build`).
 
     Attributes:
-        dense: the parent backend's metadata of the other requests (None when there are none).
-        dense_rows: their query rows in the step: a leading slice, or an int64 index on the step's device.
+        parent_metadata: the parent backend's metadata of the step's other requests (decode rows, short prompts,
+            chunks within ``dense_prefix``), which the parent's kernel runs; None when there are none.
+        parent_rows: their query rows in the step: a leading slice, or an int64 index on the step's device.
         chunks: the long prompt chunks.
         block_table: int ``[R, max_pages]``, the step's block table (row ``chunk.request`` is the chunk's pages).
     """
 
-    dense: Any
-    dense_rows: slice | torch.Tensor
+    parent_metadata: Any
+    parent_rows: slice | torch.Tensor
     chunks: tuple[Chunk, ...]
     block_table: torch.Tensor
 
@@ -87,7 +90,7 @@ class SparsePrefillBuilder:
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device,
                  *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)  # type: ignore[call-arg]
-        self.flexentropy = chosen_config(vllm_config)
+        self.prefill_policy = chosen_policy(vllm_config)
         self.decode_query_len = decode_query_len(vllm_config)
         warm_up(vllm_config, kv_cache_spec, layer_names, device)
 
@@ -102,16 +105,16 @@ class SparsePrefillBuilder:
             notice_once("%s run vLLM's kernel (dense prefill)", reason)
             return parent(common_prefix_len, metadata, fast_build, **kwargs)
         routing = route(metadata.query_start_loc_cpu[: metadata.num_reqs + 1],
-                        metadata.seq_lens_cpu_upper_bound[: metadata.num_reqs], self.flexentropy,
+                        metadata.seq_lens_cpu_upper_bound[: metadata.num_reqs], self.prefill_policy,
                         self.decode_query_len)
         COUNTERS.count_step(len(routing.chunks), routing.dense_prompt_chunks)
         if not routing.chunks:
             return parent(common_prefix_len, metadata, fast_build, **kwargs)
-        dense = dense_metadata(metadata, routing)
-        if dense is None:
+        others = parent_metadata(metadata, routing)
+        if others is None:
             return SparseStep(None, slice(0, 0), routing.chunks, metadata.block_table_tensor)
         # no cascade over the sub-batch: a prefix common to the step is common to it, but 0 is always right
-        return SparseStep(parent(0, dense[0], fast_build, **kwargs), dense[1], routing.chunks,
+        return SparseStep(parent(0, others[0], fast_build, **kwargs), others[1], routing.chunks,
                           metadata.block_table_tensor)
 
 
@@ -139,7 +142,7 @@ def call_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 class SparsePrefillImpl:
     """Mixed into the parent backend's attention implementation (before it): runs a `SparseStep` (module docstring).
 
-    Validated when vLLM builds the layer (start-up): the plugin's configuration (`plugin_config`) and the layer's
+    Validated when vLLM builds the layer (start-up): the plugin's configuration (`plugin_policy`) and the layer's
     attention function (`check_layer`).
     """
 
@@ -150,7 +153,7 @@ class SparsePrefillImpl:
         arguments = call_arguments(super().__init__, args, kwargs)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_layer(**{name: arguments.get(name, default) for name, default in LAYER_ARGUMENTS.items()})
-        self.flexentropy = chosen_config(get_current_vllm_config())
+        self.prefill_policy = chosen_policy(get_current_vllm_config())
         self.page_layout: PageLayout | None = None
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -161,25 +164,28 @@ class SparsePrefillImpl:
         if not isinstance(attn_metadata, SparseStep):
             return parent(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = attn_metadata
-        if step.dense is not None:
-            if isinstance(step.dense_rows, slice):
-                parent(layer, query, key, value, kv_cache, step.dense, output, *args, **kwargs)
+        if step.parent_metadata is not None:
+            if isinstance(step.parent_rows, slice):
+                parent(layer, query, key, value, kv_cache, step.parent_metadata, output, *args, **kwargs)
             else:
-                rows = step.dense_rows
+                rows = step.parent_rows
                 part = output.new_empty((rows.numel(), *output.shape[1:]))
-                parent(layer, query[rows], key[rows], value[rows], kv_cache, step.dense, part, *args, **kwargs)
+                parent(layer, query[rows], key[rows], value[rows], kv_cache, step.parent_metadata, part, *args,
+                       **kwargs)
                 output.index_copy_(0, rows, part)
         layer_idx = layer_index(layer.layer_name)
         for chunk in step.chunks:
             out, plan = self.attend_chunk(layer, query, kv_cache, step.block_table[chunk.request], chunk, layer_idx)
             output[chunk.start:chunk.end] = out
-            COUNTERS.count_layer(None if plan.dense else plan.density_tensor())
+            COUNTERS.count_layer(None if plan is None else plan.density_tensor())
         return output
 
     def attend_chunk(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan]:
+                     chunk: Chunk, layer_idx: int) -> tuple[torch.Tensor, SparsePlan | None]:
         """One long prompt chunk's attention in this layer: its rows of the step's ``query [T, Hq, D]`` over the
-        request's keys and values in ``kv_cache`` (pages ``page_table``). Returns ``([M, Hq, D], its plan)``.
+        request's keys and values in ``kv_cache`` (pages ``page_table``), by the engine's prefill policy
+        (`PrefillPolicy.run`: the chunk is the last rows of the keys). Returns ``([M, Hq, D], its plan)``, the plan
+        None where the layer ran dense.
 
         The chunk's queries are copied first (``M x Hq x D``, a share of the keys and values gathered beside them), so
         that the compiled kernels see one layout whatever the model hands vLLM (a view into its fused projection, a
@@ -187,16 +193,14 @@ class SparsePrefillImpl:
         """
         q = query[chunk.start:chunk.end].clone().transpose(0, 1).unsqueeze(0)
         k, v = self.read_cache(layer, kv_cache, page_table, chunk.key_length)
-        plan = select_blocks(q, k, self.flexentropy, layer_idx, q_start=chunk.q_start)
-        out = sparse_prefill_attention(q, k, v, self.flexentropy, layer_idx, plan=plan, q_start=chunk.q_start,
-                                       scale=self.scale)  # type: ignore[attr-defined]
+        out, plan = self.prefill_policy.run(q, k, v, layer_idx, scale=self.scale)  # type: ignore[attr-defined]
         return out[0].transpose(0, 1), plan
 
     def warm_up(self, layer: Any, layer_idx: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Run a chunk of every class of `warm_up_chunks` through `attend_chunk` in layer ``layer_idx``, on random
         queries and a scratch cache of ``page_size``-token pages, as a served step runs them (inference mode), so
         that what they compile is compiled now."""
-        chunks = warm_up_chunks(self.flexentropy, page_size)
+        chunks = warm_up_chunks(self.prefill_policy.config, page_size)
         longest = max(chunk.key_length for chunk in chunks)
         pages = -(-longest // page_size)
         heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size  # type: ignore[attr-defined]
@@ -229,12 +233,16 @@ class SparsePrefillImpl:
 def warm_up(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str], device: torch.device) -> None:
     """Compile at start-up what the long prompt chunks of this KV-cache group's layers will compile: the chunks of
     `warm_up_chunks` through one sparse and one dense layer of the group (`SparsePrefillImpl.warm_up`), each on its
-    own scratch cache, so that the first request served compiles nothing."""
+    own scratch cache, so that the first request served compiles nothing. Nothing when the policy runs every chunk
+    dense (the ``dense`` rule: no chunk is routed to it)."""
     context = vllm_config.compilation_config.static_forward_context
     layers = {layer_index(name): context[name] for name in layer_names
               if isinstance(getattr(context.get(name), "impl", None), SparsePrefillImpl)}
-    config = chosen_config(vllm_config)
-    picked = {index in config.dense_layers: index for index in sorted(layers)}    # a sparse and a dense layer
+    policy = chosen_policy(vllm_config)
+    past_prefix = policy.config.dense_prefix + 1                    # the warm-up chunks' keys: the layer decides
+    if policy.runs_dense(None, past_prefix):
+        return
+    picked = {policy.runs_dense(index, past_prefix): index for index in sorted(layers)}   # a sparse and a dense layer
     for index in picked.values():
         layers[index].impl.warm_up(layers[index], index, kv_cache_spec.block_size, kv_cache_spec.dtype, device)
 
@@ -256,25 +264,25 @@ def resolve(name: str, additional_config: object) -> type:
     """The class of backend ``name`` for an engine whose ``additional_config`` is this: vLLM's own without a
     ``"flexentropy"`` entry, else flexentropy's subclass (the entry validated here, at start-up); logs, once per
     process and outcome, whether flexentropy is on and with what."""
-    config = plugin_config(additional_config)
-    if config is None:
+    policy = plugin_policy(additional_config)
+    if policy is None:
         notice_once("off (no %r entry in vLLM's additional_config): vLLM's %s backend runs as without the plugin; "
                     "--additional-config '{\"%s\": {}}' turns it on", CONFIG_KEY, name, CONFIG_KEY)
         return resolve_obj_by_qualname(AttentionBackendEnum[name].value)
-    notice_once("on: vLLM's %s backend runs the prompt chunks whose keys reach past dense_prefix=%d tokens sparse "
-                "(%s)", name, config.dense_prefix, config)
+    notice_once("on: vLLM's %s backend runs the prompt chunks whose keys reach past dense_prefix=%d tokens by the %r "
+                "prefill (knobs %s, %s)", name, policy.config.dense_prefix, policy.name, policy.knobs, policy.config)
     return sparse_backend(name)
 
 
-def chosen_config(vllm_config: Any) -> EntropyConfig:
-    """The plugin's configuration of an engine that runs its backend (`plugin_config`)."""
-    config = plugin_config(vllm_config.additional_config)
-    if config is None:
+def chosen_policy(vllm_config: Any) -> PrefillPolicy:
+    """The prefill policy of an engine that runs the plugin's backend (`plugin_policy`: read once per engine)."""
+    policy = plugin_policy(vllm_config.additional_config)
+    if policy is None:
         raise RuntimeError(f"flexentropy's backend was built for an engine without a {CONFIG_KEY!r} entry in its "
                            "additional_config: vLLM resolved it for an earlier engine of this process that chose "
                            "flexentropy (it keeps one backend class per layer shape and process); start this engine "
                            "in a process of its own")
-    return config
+    return policy
 
 
 def __getattr__(name: str) -> type:

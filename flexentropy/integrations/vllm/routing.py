@@ -2,7 +2,8 @@
 
 Decided on the host from the step's host-side lengths (no wait on the device), once per step, by the metadata
 builder: a request's query tokens are a *long prompt chunk* when there are more of them than a decode step holds
-(``1 + num_speculative_tokens``) and the request's key length at the chunk's end exceeds ``dense_prefix``. The other
+(``1 + num_speculative_tokens``) and the engine's prefill policy does not run it dense at the request's key length
+at the chunk's end (`PrefillPolicy.runs_dense` with no layer given: more keys than ``dense_prefix``). The other
 requests (decode rows, short prompts, chunks inside the dense prefix) form a sub-batch that vLLM's own builder and
 kernel run as before. No vLLM import: the step's ``CommonAttentionMetadata`` is handled as a dataclass, field by
 field, by name, so that fields one vLLM version has and another lacks are carried or left alone.
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexentropy.config import EntropyConfig
+from flexentropy.policies.base import PrefillPolicy
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,16 @@ class Routing:
 
     Attributes:
         chunks: the long prompt chunks, in batch order.
-        dense_requests: int64 CPU ``[R]``: the other requests, in batch order.
+        parent_requests: int64 CPU ``[R]``: the other requests (vLLM's own kernel runs them), in batch order.
         dense_prompt_chunks: how many of those hold a prompt chunk (more query tokens than a decode step).
     """
 
     chunks: tuple[Chunk, ...]
-    dense_requests: torch.Tensor
+    parent_requests: torch.Tensor
     dense_prompt_chunks: int
 
 
-def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, config: EntropyConfig,
+def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, policy: PrefillPolicy,
           decode_query_len: int) -> Routing:
     """Split a step's requests (see the module docstring).
 
@@ -64,13 +65,14 @@ def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, config: Entropy
         query_start_loc: int CPU ``[R + 1]``: request ``r``'s query tokens are rows
             ``query_start_loc[r]:query_start_loc[r + 1]``.
         seq_lens: int CPU ``[R]``: each request's key length at the end of the step (exact for prompt rows).
-        config: the plugin's `EntropyConfig` (its ``dense_prefix``).
+        policy: the engine's prefill policy: a prompt chunk goes to it unless it runs dense at the chunk's key length
+            in every layer (`PrefillPolicy.runs_dense` with no layer given: ``dense_prefix``, a dense rule).
         decode_query_len: the most query tokens a decode row holds (1, or 1 + speculative tokens).
     """
     starts = query_start_loc.to(torch.int64)
     query_lens = starts[1:] - starts[:-1]
     prompt = query_lens > decode_query_len
-    sparse = prompt & (seq_lens.to(torch.int64) > config.dense_prefix)
+    sparse = prompt & ~policy.runs_dense(None, seq_lens.to(torch.int64))
     rows = sparse.nonzero().flatten().tolist()
     chunks = tuple(Chunk(r, int(starts[r]), int(starts[r + 1]), int(seq_lens[r] - query_lens[r])) for r in rows)
     return Routing(chunks, (~sparse).nonzero().flatten(), int((prompt & ~sparse).sum()))
@@ -123,10 +125,11 @@ def _take(value: Any, index: torch.Tensor, on_device: torch.Tensor) -> Any:
     return value
 
 
-def dense_metadata(metadata: Any, routing: Routing) -> tuple[Any, slice | torch.Tensor] | None:
-    """vLLM's ``CommonAttentionMetadata`` of the requests ``routing`` leaves to vLLM's kernel, and their query rows
-    in the step (a slice when they lead the step, else an int64 index on the step's device); None without any."""
-    requests = routing.dense_requests
+def parent_metadata(metadata: Any, routing: Routing) -> tuple[Any, slice | torch.Tensor] | None:
+    """vLLM's ``CommonAttentionMetadata`` of the requests ``routing`` leaves to vLLM's kernel (the parent backend's),
+    and their query rows in the step (a slice when they lead the step, else an int64 index on the step's device);
+    None without any."""
+    requests = routing.parent_requests
     if requests.numel() == 0:
         return None
     starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1].to(torch.int64)

@@ -1,9 +1,12 @@
 """The plugin's configuration, read from vLLM's ``additional_config`` and validated once, at start-up.
 
 ``--additional-config '{"flexentropy": {"dense_prefix": 8192, "coverage": 0.7}}'`` (or ``LLM(...,
-additional_config={...})``) turns the plugin on and sets `EntropyConfig`'s prefill fields by their names; a field left
-out keeps its default (``{"flexentropy": {}}``: on, at the defaults). Without the entry the plugin is off. The entry is
-read by the library's one reader of configuration (`flexentropy.settings.parse_settings`); this module
+additional_config={...})``) turns the plugin on and sets `EntropyConfig`'s prefill fields by their names, and
+``"prefill"`` (a name of `flexentropy.PREFILL_POLICIES`, default ``"entropy"``) with ``"prefill_knobs"`` (that rule's
+own knobs) picks the prefill rule: ``{"flexentropy": {"prefill": "xattention", "prefill_knobs": {"threshold": 0.9}}}``.
+A field left out keeps its default (``{"flexentropy": {}}``: on, the ``entropy`` rule at the defaults). Without the
+entry the plugin is off. The entry is read by the library's one reader of configuration
+(`flexentropy.settings.read_settings`: once per entry and process, one policy object for every layer); this module
 adds the plugin's own rules. It imports no vLLM: it reads plain values, so the checks run (and are tested) without
 it.
 """
@@ -14,13 +17,11 @@ from collections.abc import Mapping
 from dataclasses import fields
 
 from flexentropy.config import EntropyConfig
-from flexentropy.settings import KNOBS_KEY, parse_settings
+from flexentropy.policies import PrefillPolicy
+from flexentropy.settings import read_settings
 
 CONFIG_KEY = "flexentropy"
 """The key of `EntropyConfig`'s fields in vLLM's ``additional_config``: the entry turns the plugin on."""
-
-PREFILL_POLICY = "entropy"
-"""The one prefill policy the plugin runs (``"prefill"`` in the config may name it, nothing else)."""
 
 DECODE_FIELDS = frozenset(f.name for f in fields(EntropyConfig) if f.name.startswith("decode_")) | {
     "recompress_every"}
@@ -34,31 +35,32 @@ DISABLE_HINT = (f"to serve this model without flexentropy, leave the {CONFIG_KEY
                 "additional_config (vLLM then runs as without the plugin)")
 
 
-def plugin_config(additional_config: object) -> EntropyConfig | None:
-    """The `EntropyConfig` that vLLM's ``additional_config`` gives the plugin, or None, the plugin off: no
-    ``"flexentropy"`` entry (or ``null`` there).
+def plugin_policy(additional_config: object) -> PrefillPolicy | None:
+    """The prefill policy that vLLM's ``additional_config`` gives the plugin (its rule, knobs and `EntropyConfig`), or
+    None, the plugin off: no ``"flexentropy"`` entry (or ``null`` there). Read once per entry and process
+    (`read_settings`): every caller of an engine gets the same policy object.
 
     Raises:
-        TypeError, ValueError: an entry that is not a mapping of `EntropyConfig` prefill fields, a value
-            `EntropyConfig` refuses, a decode knob away from its default, or a prefill policy other than
-            ``"entropy"``. The message names the entry and what to write instead.
+        TypeError, ValueError: an entry that is not a mapping of `EntropyConfig` prefill fields (and ``"prefill"``,
+            ``"prefill_knobs"``), a value `EntropyConfig` or the rule refuses, an unknown rule, or a decode knob away
+            from its default. The message names the entry and what to write instead.
     """
     entry = additional_config.get(CONFIG_KEY) if isinstance(additional_config, Mapping) else None
     if entry is None:
         return None
     where = f"additional_config[{CONFIG_KEY!r}]"
-    only = (f"is not supported under vLLM: the plugin runs the {PREFILL_POLICY!r} prefill at EntropyConfig's fields "
-            f"only (leave 'prefill' and {KNOBS_KEY!r} out)")
-    if isinstance(entry, Mapping) and entry.get(KNOBS_KEY):   # before the reader judges them as a policy's knobs
-        raise ValueError(f"{where}: {KNOBS_KEY!r} {only}")
-    settings = parse_settings(entry, where)
-    if settings.prefill != PREFILL_POLICY:
-        raise ValueError(f"{where}: prefill={settings.prefill!r} {only}")
-    decode = sorted(name for name in DECODE_FIELDS if getattr(settings.config, name) != getattr(DEFAULTS, name))
+    policy = read_settings(entry, where).policy
+    decode = sorted(name for name in DECODE_FIELDS if getattr(policy.config, name) != getattr(DEFAULTS, name))
     if decode:
         raise ValueError(f"{where}: {decode} configure flexentropy's KV-cache eviction, which does not run under "
                          "vLLM (decoding stays vLLM's kernel over its paged cache); remove them")
-    return settings.config
+    return policy
+
+
+def plugin_config(additional_config: object) -> EntropyConfig | None:
+    """The `EntropyConfig` of `plugin_policy` (None: the plugin off)."""
+    policy = plugin_policy(additional_config)
+    return None if policy is None else policy.config
 
 
 def check_layer(*, alibi_slopes: object, sliding_window: object, logits_soft_cap: object, kv_cache_dtype: str,

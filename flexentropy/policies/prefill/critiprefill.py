@@ -16,7 +16,7 @@ import torch
 
 from flexentropy.config import OBSERVATIONS
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import plan_blocks
+from flexentropy.policies.prefill.entropy.selection import plan_blocks
 from flexentropy.sparse.plan import SparsePlan
 
 EVERY_HEAD_RIGID = 1e30
@@ -44,8 +44,8 @@ class CritiPrefill(PrefillPolicy):
         if self.observation not in OBSERVATIONS:
             raise ValueError(f"CritiPrefill.observation must be one of {OBSERVATIONS}, got {self.observation!r}")
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """`select_blocks`'s plan with every head rigid: budgets ``B_0`` everywhere (``plan.rigid`` all True)."""
         config = self.config.replace(observation=self.observation, budget_rule="fluctuation",
                                      entropy_threshold=EVERY_HEAD_RIGID)
-        return plan_blocks(q, k, config)
+        return plan_blocks(q, k, config, compiled=compiled)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import dense_plan
+from flexentropy.policies.prefill.fixed import dense_plan
 from flexentropy.sparse.plan import SparsePlan
 
 
@@ -18,7 +18,9 @@ class DensePrefill(PrefillPolicy):
     name = "dense"
     paper = "full attention (Vaswani et al., 2017)"
     keeps = "every causal key"
+    always_dense = True
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
-        """The dense plan (every causal block, ``dense=True``) for ``q [B, Hq, N, D]``, whatever the layer."""
-        return dense_plan(q, self.config)
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
+        """The dense plan (every causal block, ``dense=True``) of ``q [B, Hq, M, D]``, the last ``M`` positions of
+        ``k``, whatever the layer (`runs_dense` says dense everywhere, so the path never asks for it)."""
+        return dense_plan(q, self.config, k.shape[-2] - q.shape[-2])

@@ -14,9 +14,11 @@ from einops import rearrange
 from flexentropy._checks import check_int, check_number
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.peer_estimates import block_means, block_sums, compute_dtype, last_queries_attention
-from flexentropy.prefill.selection import fixed_blocks, mass_cover, query_block_table, top_k_mask
-from flexentropy.sparse.plan import SparsePlan, causal_blocks
+from flexentropy.policies.prefill.estimates import block_means, block_sums, compute_dtype, last_queries_attention
+from flexentropy.policies.prefill.fixed import fixed_blocks, query_block_table
+from flexentropy.policies.prefill.ranking import mass_cover, top_k_mask
+from flexentropy.sparse.kernel import pad_rows
+from flexentropy.sparse.plan import SparsePlan, causal_blocks, query_blocks
 
 
 class FlexPrefillEstimate(NamedTuple):
@@ -29,8 +31,8 @@ class FlexPrefillEstimate(NamedTuple):
         pooled: ``[B, Hq, C_B]`` the pattern test's estimate ``softmax(mean(q_last) . mean_block(k) / sqrt(D))``.
         divergence: ``[B, Hq]`` ``sqrt(JSD(pooled, vertical))`` (natural log; at most ``sqrt(ln 2)``).
         query_aware: bool ``[B, Hq]`` heads with ``divergence < tau``.
-        block_mass: ``[B, Hq, C_Q, C_B]`` query-aware estimate: per query block, the softmax of its mean
-            query against the mean keys of its causal key blocks (rows sum to 1, non-causal 0).
+        block_mass: ``[B, Hq, C_Q, C_B]`` query-aware estimate: per query block (those holding the queries), the
+            softmax of its mean query against the mean keys of its causal key blocks (rows sum to 1, non-causal 0).
     """
 
     vertical: torch.Tensor
@@ -49,7 +51,7 @@ def js_distance(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return js.clamp_min(0).sqrt()
 
 
-def band_blocks(bands: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def band_blocks(bands: torch.Tensor, seq_len: int, block_size: int, q_start: int = 0) -> torch.Tensor:
     """Block table of selected block diagonals: query block ``qb`` attends key block ``j`` when a key block ``kb``
     holding some of its tokens has ``kb - j`` in ``bands``.
 
@@ -57,10 +59,11 @@ def band_blocks(bands: torch.Tensor, seq_len: int, block_size: int) -> torch.Ten
         bands: bool ``[B, Hq, C_B]``, band ``o`` = key-block offset between a query's block and a key's block.
 
     Returns:
-        bool ``[B, Hq, C_Q, C_B]`` (causal: ``o >= 0``).
+        bool ``[B, Hq, C_Q, C_B]`` over the query blocks holding the queries ``q_start .. seq_len - 1`` (causal:
+        ``o >= 0``).
     """
     num_blocks, per_qblock = bands.shape[-1], Q_BLOCK_SIZE // block_size
-    qb = torch.arange(-(-seq_len // Q_BLOCK_SIZE), device=bands.device)
+    qb = query_blocks(seq_len, q_start, bands.device)
     own = qb[:, None] * per_qblock + torch.arange(per_qblock, device=bands.device)            # [C_Q, r]
     offset = own[..., None] - torch.arange(num_blocks, device=bands.device)                 # [C_Q, r, C_B]
     valid = (offset >= 0) & (own < num_blocks)[..., None]
@@ -114,11 +117,13 @@ class FlexPrefill(PrefillPolicy):
         return int(self.config.base_budget) if self.min_budget is None else self.min_budget
 
     def estimate(self, q: torch.Tensor, k: torch.Tensor) -> FlexPrefillEstimate:
-        """`FlexPrefillEstimate` of ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]``. Memory ``O(B Hq (128 N + C_Q C_B))``
-        (the last block's attention ``[B, Hq, 128, N]``, 2 GiB at 128k with 32 heads); nothing ``N x N``."""
-        n, block = q.shape[-2], self.config.block_size
+        """`FlexPrefillEstimate` of ``q [B, Hq, M, D]``, the last ``M`` positions of ``k [B, Hkv, N, D]``: a chunk's
+        pattern test reads the chunk's own last queries (what a chunked prefill has; the prompt's last chunk reads
+        the prompt's). Memory ``O(B Hq (128 N + C_Q C_B))`` (the last block's attention ``[B, Hq, 128, N]``, 2 GiB at
+        128k with 32 heads); nothing ``N x N``."""
+        m, n, block = q.shape[-2], k.shape[-2], self.config.block_size
         group, dtype = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
-        count = min(Q_BLOCK_SIZE, n)
+        count = min(Q_BLOCK_SIZE, m)
         per_block = block_sums(last_queries_attention(q, k, count), block)                # [B, Hq, count, C_B]
         num_blocks = per_block.shape[-1]
         vertical = per_block.mean(dim=-2)
@@ -127,19 +132,22 @@ class FlexPrefill(PrefillPolicy):
         bands = per_block.gather(-1, key_block.clamp_min(0).expand_as(per_block))
         slash = bands.masked_fill(key_block < 0, 0.0).mean(dim=-2)
         keys = rearrange(block_means(k, block), "b h c d -> b h 1 c d")                    # [B, Hkv, 1, C_B, D]
-        last = rearrange(q[..., n - count:, :].to(dtype).mean(dim=-2), "b (h g) d -> b h g 1 d", g=group)
+        last = rearrange(q[..., m - count:, :].to(dtype).mean(dim=-2), "b (h g) d -> b h g 1 d", g=group)
         pooled = torch.softmax((last * keys).sum(-1) / math.sqrt(q.shape[-1]), dim=-1).flatten(1, 2)
         divergence = js_distance(pooled, vertical)
-        queries = rearrange(block_means(q, Q_BLOCK_SIZE), "b (h g) c d -> b h g c d", g=group)
+        rows = pad_rows(q, (n - m) % Q_BLOCK_SIZE)             # from the first row's start: the query grid
+        queries = rearrange(block_means(rows, Q_BLOCK_SIZE), "b (h g) c d -> b h g c d", g=group)
         logits = torch.einsum("bhgcd,bhjd->bhgcj", queries, keys[:, :, 0]).flatten(1, 2) / math.sqrt(q.shape[-1])
-        causal = causal_blocks(n, block, q.device)
+        causal = causal_blocks(n, block, q.device, q_start=n - m)
         block_mass = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).masked_fill(~causal, 0.0)
         return FlexPrefillEstimate(vertical, slash, pooled, divergence, divergence < self.tau, block_mass)
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
         """Per head the query-aware pairs or the vertical-slash blocks (plus the minimum columns and diagonals),
-        composed with the shared fixed blocks by `query_block_table`."""
-        n, block = q.shape[-2], self.config.block_size
+        composed with the shared fixed blocks by `query_block_table`. A chunk's rows: its own estimate (`estimate`),
+        and a query-aware head's pairs chosen among the chunk's rows (the cumulative selection is over the pairs
+        planned), so they are the whole prompt's rows only for the prompt's last chunk's vertical-slash heads."""
+        n, block, q_start = k.shape[-2], self.config.block_size, k.shape[-2] - q.shape[-2]
         est = self.estimate(q, k)
         num_blocks = est.vertical.shape[-1]
         j = torch.arange(num_blocks, device=q.device)
@@ -150,9 +158,9 @@ class FlexPrefill(PrefillPolicy):
             mass_cover(est.vertical, ~sinks, sinks, self.gamma) & vertical_slash)
         bands = top_k_mask(est.slash, every, least) | (
             mass_cover(est.slash, ~diagonal, diagonal, self.gamma) & vertical_slash)
-        fixed = fixed_blocks(n, self.config, q.device)
-        free = causal_blocks(n, block, q.device) & ~fixed
+        fixed = fixed_blocks(n, self.config, q.device, q_start=q_start)
+        free = causal_blocks(n, block, q.device, q_start=q_start) & ~fixed
         pairs = mass_cover(est.block_mass.flatten(-2), free.flatten(), fixed.flatten(), self.gamma)
         query_aware = pairs.view_as(est.block_mass) & est.query_aware[..., None, None]
-        selected = columns[..., None, :] | band_blocks(bands, n, block) | query_aware
-        return SparsePlan(query_block_table(selected, self.config, n), n, block)
+        selected = columns[..., None, :] | band_blocks(bands, n, block, q_start) | query_aware
+        return SparsePlan(query_block_table(selected, self.config, n, q_start), n, block, q_start=q_start)

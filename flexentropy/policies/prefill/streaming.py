@@ -9,7 +9,7 @@ import torch
 
 from flexentropy._checks import check_int
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.selection import block_table
+from flexentropy.policies.prefill.fixed import block_table
 from flexentropy.sparse.plan import SparsePlan
 
 
@@ -39,11 +39,13 @@ class StreamingPrefill(PrefillPolicy):
         """Local window in tokens (``window``, or ``config.base_budget`` when None)."""
         return int(self.config.base_budget) if self.window is None else self.window
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
-        """The shared `block_table` with no top-k (zero budgets) and the window as forced local blocks."""
-        n = q.shape[-2]
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
+        """The shared `block_table` with no top-k (zero budgets) and the window as forced local blocks, over the
+        segments holding the queries (a chunk's rows are the whole prompt's: nothing here reads the queries)."""
+        n, q_start = k.shape[-2], k.shape[-2] - q.shape[-2]
         config = self.config.replace(local_blocks=-(-self.local_tokens // self.config.block_size))
-        segments, blocks = -(-n // config.segment_size), -(-n // config.block_size)
+        segments, blocks = -(-n // config.segment_size) - q_start // config.segment_size, -(-n // config.block_size)
         scores = torch.zeros(1, 1, segments, blocks, device=q.device)
-        table = block_table(scores, scores.new_zeros(1, 1, segments), config, n)
-        return SparsePlan(table.expand(q.shape[0], q.shape[1], -1, -1).contiguous(), n, config.block_size)
+        table = block_table(scores, scores.new_zeros(1, 1, segments), config, n, q_start=q_start)
+        return SparsePlan(table.expand(q.shape[0], q.shape[1], -1, -1).contiguous(), n, config.block_size,
+                          q_start=q_start)

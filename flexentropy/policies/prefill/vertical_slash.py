@@ -10,9 +10,10 @@ import torch
 from flexentropy._checks import check_int
 from flexentropy.config import Q_BLOCK_SIZE
 from flexentropy.policies.base import PrefillPolicy
-from flexentropy.prefill.peer_estimates import block_sums, last_queries_attention
-from flexentropy.prefill.selection import query_block_table, top_k_mask
-from flexentropy.sparse.plan import SparsePlan
+from flexentropy.policies.prefill.estimates import block_sums, last_queries_attention
+from flexentropy.policies.prefill.fixed import query_block_table
+from flexentropy.policies.prefill.ranking import top_k_mask
+from flexentropy.sparse.plan import SparsePlan, query_blocks
 
 LAST_QUERIES = 64
 """Queries whose attention picks the pattern (MInference's ``last_q``)."""
@@ -31,7 +32,7 @@ def diagonal_sums(probs: torch.Tensor) -> torch.Tensor:
     return picked.masked_fill(key < 0, 0.0).sum(dim=-2)
 
 
-def pattern_blocks(columns: torch.Tensor, diagonals: torch.Tensor, block_size: int) -> torch.Tensor:
+def pattern_blocks(columns: torch.Tensor, diagonals: torch.Tensor, block_size: int, q_start: int = 0) -> torch.Tensor:
     """Blocks holding a selected token pair: key block ``j`` of query block ``qb`` is kept when it holds a selected
     column, or when some causal pair in it lies on a selected diagonal (offsets ``i - j`` of the pair range over an
     interval, read from a running count of selected diagonals).
@@ -40,12 +41,12 @@ def pattern_blocks(columns: torch.Tensor, diagonals: torch.Tensor, block_size: i
         columns, diagonals: bool ``[B, H, N]`` (key columns; token offsets ``0 .. N-1``).
 
     Returns:
-        bool ``[B, H, C_Q, C_B]``.
+        bool ``[B, H, C_Q, C_B]`` over the query blocks holding the queries ``q_start .. N - 1``.
     """
     n = columns.shape[-1]
     device = columns.device
     kept_columns = block_sums(columns.int(), block_size) > 0                                 # [B, H, C_B]
-    first_q = torch.arange(-(-n // Q_BLOCK_SIZE), device=device) * Q_BLOCK_SIZE
+    first_q = query_blocks(n, q_start, device) * Q_BLOCK_SIZE
     last_q = torch.clamp(first_q + Q_BLOCK_SIZE, max=n) - 1
     first_k = torch.arange(kept_columns.shape[-1], device=device) * block_size
     high = last_q[:, None] - first_k[None, :]                                               # largest offset
@@ -84,10 +85,11 @@ class VerticalSlash(PrefillPolicy):
         check_int("VerticalSlash", "slash", self.slash, 0)
 
     def select_tokens(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(columns, diagonals)``, bool ``[B, Hq, N]`` each: the token-level pattern. Memory
+        """``(columns, diagonals)``, bool ``[B, Hq, N]`` each: the token-level pattern, from the last 64 of the queries
+        ``q [B, Hq, M, D]``, the last ``M`` positions of ``k [B, Hkv, N, D]`` (a chunk's own). Memory
         ``O(B Hq 64 N)``."""
-        n = q.shape[-2]
-        probs = last_queries_attention(q, k, min(LAST_QUERIES, n))
+        n = k.shape[-2]
+        probs = last_queries_attention(q, k, min(LAST_QUERIES, q.shape[-2]))
         index = torch.arange(n, device=q.device)
         vertical = probs.sum(dim=-2).masked_fill(index < SINK_COLUMNS, float("inf"))
         slash = diagonal_sums(probs).masked_fill(index < LOCAL_DIAGONALS, float("inf"))
@@ -96,11 +98,13 @@ class VerticalSlash(PrefillPolicy):
         diagonals = top_k_mask(slash, every, torch.full(slash.shape[:-1], min(self.slash, n), device=q.device))
         return columns, diagonals
 
-    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor) -> SparsePlan:
-        """`select_tokens` -> `pattern_blocks` -> `query_block_table`."""
-        n = q.shape[-2]
-        selected = pattern_blocks(*self.select_tokens(q, k), self.config.block_size)
-        return SparsePlan(query_block_table(selected, self.config, n), n, self.config.block_size)
+    def sparse_plan(self, q: torch.Tensor, k: torch.Tensor, compiled: bool | None = None) -> SparsePlan:
+        """`select_tokens` -> `pattern_blocks` -> `query_block_table`. A chunk's pattern is read from its own last
+        queries, so its rows are the whole prompt's for the prompt's last chunk (of at least 64 queries)."""
+        n, q_start = k.shape[-2], k.shape[-2] - q.shape[-2]
+        selected = pattern_blocks(*self.select_tokens(q, k), self.config.block_size, q_start)
+        return SparsePlan(query_block_table(selected, self.config, n, q_start), n, self.config.block_size,
+                          q_start=q_start)
 
 
 def token_density(columns: torch.Tensor, diagonals: torch.Tensor) -> torch.Tensor:

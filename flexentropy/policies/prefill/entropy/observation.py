@@ -5,30 +5,11 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from flexentropy._checks import check_qk, is_int
+from flexentropy._checks import check_number, check_qk, is_int
 from flexentropy.config import MASS_OBSERVATIONS, OBSERVATIONS, Q_BLOCK_SIZE
-from flexentropy.prefill.probe_mass import pooled_block_mass, probe_block_mass
-from flexentropy.prefill.representatives import chunk_extrema
-
-
-def chunk_segments(num_segments: int, first_segment: int | torch.Tensor,
-                   device: torch.device | str | None = None) -> torch.Tensor:
-    """Indices of the ``num_segments`` segments from ``first_segment`` (0: a whole prompt's): int64 ``[C_S]``.
-    ``first_segment`` may be a 0-d tensor or a symbolic size (a compiled caller's)."""
-    return torch.arange(num_segments, device=device) + first_segment
-
-
-def candidate_blocks(segments: torch.Tensor, num_blocks: int, segment_size: int, block_size: int) -> torch.Tensor:
-    """Key blocks each segment may select: those ending at or before the segment's first token.
-
-    Args:
-        segments: int64 ``[S]`` segment indices (`chunk_segments`, or any per-row indices).
-
-    Returns:
-        bool ``[S, C_B]``, True where ``(j + 1) * block_size <= s * segment_size``. Segment 0 has none.
-    """
-    j = torch.arange(num_blocks, device=segments.device)
-    return (j[None, :] + 1) * block_size <= segments[:, None] * segment_size
+from flexentropy.policies.prefill.entropy.probe_mass import pooled_block_mass, probe_block_mass
+from flexentropy.policies.prefill.entropy.representatives import chunk_extrema
+from flexentropy.policies.prefill.fixed import candidate_blocks, chunk_segments
 
 
 def _masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -50,11 +31,11 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
     Every softmax runs over the candidate blocks of the segment (`candidate_blocks`), in float32.
 
     * ``"probe"`` (not in the paper; design.md §1.2b): the true attention of ``probes`` strided queries of the
-      segment (`flexentropy.prefill.probe_mass.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
+      segment (`probe_mass.probe_block_mass`, logits ``scale * q.k / sqrt(D)``), its mass per
       candidate block averaged over the probes. A row is *not* a distribution over the candidates: it sums to the
       probes' mass outside their own segment, the rest being on the segment's own (always computed) keys.
     * ``"pooled"`` (not in the paper; design.md §1.2c): the same probes, each block scored by its mean key
-      (`flexentropy.prefill.probe_mass.pooled_block_mass`): ``L_B`` times cheaper than ``"probe"``, an estimate of it.
+      (`probe_mass.pooled_block_mass`): ``L_B`` times cheaper than ``"probe"``, an estimate of it.
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0``.
@@ -73,11 +54,10 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, segment_size: int, b
     if segment_size % block_size or segment_size % Q_BLOCK_SIZE:
         raise ValueError(f"segment_size ({segment_size}) must be a multiple of block_size ({block_size}) "
                          f"and of {Q_BLOCK_SIZE}")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale!r}")
+    check_number("observation_attention", "scale", scale, 0, open_low=True)    # finite: inf gives NaN rows
     if observation in MASS_OBSERVATIONS and (not is_int(probes) or probes <= 0 or segment_size % probes):
         raise ValueError(f"probes must be a positive divisor of segment_size ({segment_size}), got {probes!r}")
-    return _observation(q, k, segment_size, block_size, observation, scale, probes)
+    return _observation(q, k, segment_size, block_size, observation, float(scale), probes)
 
 
 def _observation(q: torch.Tensor, k: torch.Tensor, segment_size: int, block_size: int, observation: str,

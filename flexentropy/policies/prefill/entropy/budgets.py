@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flexentropy.config import EntropyConfig, check_config
-from flexentropy.prefill.entropies import rigid_heads
+from flexentropy.policies.prefill.entropy.entropies import rigid_heads
 
 _EPS = 1e-9
 

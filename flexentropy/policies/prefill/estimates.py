@@ -3,7 +3,7 @@
 Nothing here builds an ``N x N`` tensor: the true attention is taken for the last few queries only
 (`last_queries_attention`, ``[B, Hq, n, N]``), and block statistics are sums or means over ``size`` tokens.
 Computation runs in ``compute_dtype`` (float32, float64 for float64 inputs). The entropy method's probe observation
-(`flexentropy.prefill.probe_mass`) takes its probes' causal logits from here too (`causal_logits`).
+(`flexentropy.policies.prefill.entropy.probe_mass`) takes its probes' causal logits from here too (`causal_logits`).
 """
 
 from __future__ import annotations
@@ -21,20 +21,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def positions_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, *, scale: float = 1.0,
-                        input_dtype_logits: bool = False) -> torch.Tensor:
+                        input_dtype_logits: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention (logits ``q.k / (sqrt(D) / scale)``) of the queries at ``positions`` over the keys
     ``k`` (key ``j`` at position ``j``).
 
     Args:
         q: ``[B, Hq, N, D]``. k: ``[B, Hkv, M, D]`` (the first ``M`` keys), query head ``h`` reads KV head
             ``h // (Hq // Hkv)``. positions: int64 ``[R]``, each below ``N``.
+        rows: the rows of ``q`` holding those queries (default ``positions``: ``q`` from position 0; a chunk's
+            queries: ``positions - (its first position)``).
         input_dtype_logits: take the logits in the input dtype (16-bit on GPU) and only then cast; else in
             `compute_dtype` throughout.
 
     Returns:
         ``[B, Hq, R, M]`` in `compute_dtype`; keys after a query's position are 0. Memory ``O(B * Hq * R * M)``.
     """
-    probs = torch.softmax(causal_logits(q, k, positions, positions, scale, input_dtype_logits), dim=-1)
+    rows = positions if rows is None else rows
+    probs = torch.softmax(causal_logits(q, k, positions, rows, scale, input_dtype_logits), dim=-1)
     return rearrange(probs, "b h g i j -> b (h g) i j")
 
 
@@ -52,19 +55,21 @@ def causal_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, row
 
 
 def last_queries_attention(q: torch.Tensor, k: torch.Tensor, count: int) -> torch.Tensor:
-    """Causal softmax attention (scale ``1/sqrt(D)``) of the last ``count`` queries over every key
-    (`positions_attention`).
+    """Causal softmax attention (scale ``1/sqrt(D)``) of the last ``count`` queries over every key (the logits of
+    `positions_attention`).
 
     Args:
-        q: ``[B, Hq, N, D]``. k: ``[B, Hkv, N, D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``.
-        count: queries taken from the end, at most N.
+        q: ``[B, Hq, M, D]``, the last ``M`` positions of ``k [B, Hkv, N, D]`` (a whole prompt: ``M = N``; a chunk:
+            its own queries), query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+        count: queries taken from the end, at most M.
 
     Returns:
-        ``[B, Hq, count, N]`` in `compute_dtype`: row ``i`` is query ``N - count + i``; keys after it are 0.
-        Memory ``O(B * Hq * count * N)``.
+        ``[B, Hq, count, N]`` in `compute_dtype`: row ``i`` is the query at position ``N - count + i``; keys after
+        it are 0. Memory ``O(B * Hq * count * N)``.
     """
-    n = q.shape[-2]
-    return positions_attention(q, k, torch.arange(n - count, n, device=q.device))
+    m, n = q.shape[-2], k.shape[-2]
+    rows = torch.arange(m - count, m, device=q.device)
+    return positions_attention(q, k, rows + (n - m), rows=rows)
 
 
 def block_sums(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 (`pooled_block_mass`) and the kernel (`probe_mass_kernel`).
 
 Nothing here builds an ``N x N`` tensor: probe rows are scored in chunks. Computation runs in ``compute_dtype``
-(float32, float64 for float64 inputs; `flexentropy.prefill.peer_estimates`).
+(float32, float64 for float64 inputs; `flexentropy.policies.prefill.estimates`).
 
 The probe observations also serve a chunk of a prompt: given queries ``q [B, Hq, M, D]`` and keys ``k [B, Hkv, N, D]``
 with ``M <= N``, the queries are those of the last M positions ``N - M .. N - 1``, and ``N - M`` is a multiple of the
@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from flexentropy._compile import compiled, keep_dynamic
 from flexentropy.config import Q_BLOCK_SIZE
-from flexentropy.prefill.peer_estimates import causal_logits, compute_dtype
+from flexentropy.policies.prefill.estimates import causal_logits, compute_dtype
 from flexentropy.sparse.kernel import compiled_region
 
 PROBE_CHUNK_SCORES = 2**26

@@ -10,7 +10,7 @@ question starts) and runs each ``--paths`` (transformers paths and ``hf_chunks``
 generating its reply as `paths.py` does, while it records every plan: ``hf_whole``'s per layer, ``hf_chunks``' per
 chunk and layer. ``--paths vllm_plugin`` (alone: the engine takes the GPU's memory) runs the plugin inside vLLM
 instead and records the plans its engine's worker makes, per chunk and layer (`record_plans`, through vLLM's
-``collective_rpc``), as it generates the reply.
+``collective_rpc``; a layer it runs dense keeps every causal block), as it generates the reply.
 
 Per needle, two blocks of keys are followed, the block holding its key word and the one(s) holding its value (a reply
 may put the right value under a wrong key), through two sets of query rows (rows of 128 tokens):
@@ -68,6 +68,7 @@ class NeedleRecorder:
 
     def __init__(self, case: dict[str, Any], block_size: int) -> None:
         self.case = case
+        self.block_size = block_size
         self.columns = sorted({b for n in case["needles"] if n["fact_tokens"]
                                for part in ("key_tokens", "value_tokens") for b in block_range(n[part], block_size)})
         self.parts: dict[int, list[tuple[int, torch.Tensor, int]]] = {}   # layer -> (first row, kept, chunk)
@@ -128,30 +129,40 @@ def attribute(runner: Any, path: Path_, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_plans(worker: Any, recorder: NeedleRecorder | None) -> None:
-    """In vLLM's worker: hand every plan the plugin makes to ``recorder`` (None: stop recording), in place of
-    `flexentropy.integrations.vllm.backends`' ``select_blocks`` (a lab hook: the module's global, wrapped)."""
-    from flexentropy.integrations.vllm import backends
+    """In vLLM's worker: hand the plan of every long prompt chunk the plugin attends to ``recorder`` (None: stop
+    recording), a layer run dense as the plan keeping every causal block, by wrapping the plugin's
+    ``SparsePrefillImpl.attend_chunk`` (a lab hook on the class every sparse backend inherits it from)."""
+    from types import SimpleNamespace
 
-    plain = getattr(backends.select_blocks, "__wrapped__", backends.select_blocks)
+    from flexentropy.integrations.vllm.backends import SparsePrefillImpl
+
+    plain = getattr(SparsePrefillImpl.attend_chunk, "__wrapped__", SparsePrefillImpl.attend_chunk)
     if recorder is None:
-        backends.select_blocks = plain
+        SparsePrefillImpl.attend_chunk = plain
         return
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        plan = plain(*args, **kwargs)
-        recorder(kwargs.get("layer_idx", args[3] if len(args) > 3 else None), plan)
-        return plan
+    def recorded(self: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                 chunk: Any, layer_idx: int) -> tuple[torch.Tensor, Any]:
+        out, plan = plain(self, layer, query, kv_cache, page_table, chunk, layer_idx)
+        seen = plan
+        if seen is None:   # dense: every causal block of the chunk's rows
+            rows = torch.arange(chunk.q_start // Q_ROWS, -(-chunk.key_length // Q_ROWS))
+            columns = torch.arange(-(-chunk.key_length // recorder.block_size))
+            blocks = columns[None, :] * recorder.block_size < (rows[:, None] + 1) * Q_ROWS
+            seen = SimpleNamespace(q_start=chunk.q_start, blocks=blocks.expand(1, query.shape[1], *blocks.shape))
+        recorder(layer_idx, seen)
+        return out, plan
 
     recorded.__wrapped__ = plain   # type: ignore[attr-defined]
     recorded.recorder = recorder   # type: ignore[attr-defined]
-    backends.select_blocks = recorded
+    SparsePrefillImpl.attend_chunk = recorded
 
 
 def recorded_plans(worker: Any) -> NeedleRecorder:
     """In vLLM's worker: the recorder `record_plans` installed, with what it collected; recording stops."""
-    from flexentropy.integrations.vllm import backends
+    from flexentropy.integrations.vllm.backends import SparsePrefillImpl
 
-    recorder = backends.select_blocks.recorder
+    recorder = SparsePrefillImpl.attend_chunk.recorder
     record_plans(worker, None)
     return recorder
 

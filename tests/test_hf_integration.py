@@ -461,6 +461,19 @@ def test_a_prompt_given_as_embeddings_is_checked_by_its_length() -> None:
             greedy(model, changed, past_key_values=cache)
 
 
+def test_a_prompt_prefilled_in_chunks_gives_the_tokens_of_one_prefill() -> None:
+    """``generate(prefill_chunk_size=...)``: transformers >= 5.24 hands over each chunk's ids and positions and no
+    mask of ones, so the conversation's length is read from the chunk's last position; the chunks after the first
+    were refused as a new prompt no longer than the conversation."""
+    _, model = twins("llama", STATIC_SMALL)
+    enable(model, STATIC_SMALL, prefill="dense")
+    keyword, ids = hf.cache_keyword(model), prompt(300)
+    for name in ("latent", "static"):
+        whole = greedy(model, ids, new=4, **{keyword: REFUSING_CACHES[name](model)})
+        assert torch.equal(greedy(model, ids, new=4, prefill_chunk_size=128, **{keyword: REFUSING_CACHES[name](model)}),
+                           whole), name
+
+
 @pytest.mark.parametrize("name", ["latent", "static"])
 def test_a_disabled_model_on_its_cache_says_to_enable_it(name: str) -> None:
     """Issue 77: after ``fe.disable(model)``, continuing a conversation with its cache stored the turn (SDPA hands

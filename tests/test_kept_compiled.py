@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,18 +31,34 @@ def run_worker(folder: Path, inductor: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def step_is_kept() -> bool:
+    """Whether torch can keep the static step's decoder layer of the installed transformers' Llama: with the
+    `kernels` package installed (transformers 5.25 requires it) its rotary function is an instance of a class defined
+    inside a function, which torch cannot save."""
+    from transformers.models.llama import modeling_llama
+
+    rotary = type(modeling_llama.apply_rotary_pos_emb)
+    return rotary.__qualname__ == rotary.__name__
+
+
 @pytest.mark.slow
 def test_a_second_process_loads_the_kept_graphs_and_traces_none(tmp_path: Path) -> None:
     """The first process compiles the sparse kernel and both stages of the static step ahead of time and keeps them;
     the second, on an empty inductor cache folder, loads the three and traces nothing; both generate the eager
-    tokens."""
+    tokens. Where the step cannot be kept (`step_is_kept`), both processes say so, the sparse kernel is kept and
+    loaded, and the second traces only the step."""
     first = run_worker(tmp_path / "kept", tmp_path / "inductor_first")
     second = run_worker(tmp_path / "kept", tmp_path / "inductor_second")
-    assert first["kept"].get("compiled") == 3 and "loaded" not in first["kept"] and first["traced"] >= 3
-    assert second["kept"].get("loaded") == 3 and "compiled" not in second["kept"] and second["traced"] == 0
+    unkept = None if step_is_kept() else re.compile(r"run_layer\.\w+ cannot be compiled ahead of time \(PackageError: "
+                                                    r"Type .*Func'> cannot be saved .* defined in local scope")
+    kept = 3 if unkept is None else 1
+    assert first["kept"].get("compiled") == kept and "loaded" not in first["kept"] and first["traced"] >= 3
+    assert second["kept"].get("loaded") == kept and "compiled" not in second["kept"]
+    assert second["traced"] == (0 if unkept is None else first["traced"] - kept)   # the step's graphs, traced again
     assert second["kept"]["served"] == first["kept"]["served"]
     assert first["tokens"] == first["eager"] and second["tokens"] == first["tokens"]
-    assert first["warnings"] == second["warnings"] == []
+    for said in (first["warnings"], second["warnings"]):
+        assert len(said) == (0 if unkept is None else 1) and all(unkept.search(warning) for warning in said), said
 
 
 def counts() -> dict[str, float]:

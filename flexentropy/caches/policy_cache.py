@@ -152,7 +152,7 @@ class PolicyCache(Cache):
         self._layer(layer_idx).sliding_window = window
 
     def observe_generate(self, input_ids: torch.Tensor, length: int, *, first: bool,
-                         embeds: int | None = None) -> None:
+                         embeds: int | None = None, positions: torch.Tensor | None = None) -> None:
         """Hand over ``generate``'s ids before one of its forwards (the hook that `flexentropy.enable` installs on
         ``model.prepare_inputs_for_generation`` calls it), so that the cache tells a later turn of its conversation
         from a new prompt, which it refuses with a ``ValueError`` before anything is written
@@ -167,11 +167,15 @@ class PolicyCache(Cache):
         Args:
             input_ids: ``[B, T]`` ``generate``'s ids, the conversation's last ``T`` tokens (the whole conversation,
                 or with an attention mask longer than them the new tokens only, as ``generate`` takes them).
-            length: the conversation's tokens once the forward has run (``generate``'s attention mask's length; T
-                without one).
+            length: the conversation's tokens once the forward has run (the length of ``generate``'s attention mask
+                or position ids, which cover the whole conversation; T without either).
             first: whether the forward is the first of a ``generate`` call.
             embeds: the tokens of the ``inputs_embeds`` that a first forward takes instead of ids (None: it takes
                 the ids): they have no ids, so only their count is checked.
+            positions: ``[..., T]`` ``generate``'s position ids of the forward's tokens, or None. Where ``length``
+                does not go past the tokens the cache holds, a first forward's conversation ends at its last position
+                instead if that is later (read on the host): a prefill in chunks (``prefill_chunk_size``) on
+                transformers >= 5.24 hands over each chunk's ids and positions, and no mask when it is all ones.
         """
         held = self._conversation()[0]
         if held and self._dims.get("batch_size", (input_ids.shape[0],))[0] != input_ids.shape[0]:
@@ -181,6 +185,8 @@ class PolicyCache(Cache):
                 raise ValueError(self._new_prompt(held, f"generate's inputs_embeds of {embeds} tokens do not go past "
                                                         f"them"))
             return
+        if first and held and length <= held and positions is not None:
+            length = max(length, int(positions[..., -1].max()) + 1)
         start = length - input_ids.shape[1]
         if not first and length == held + 1:   # a decode step
             self.token_ids.put(start, input_ids)

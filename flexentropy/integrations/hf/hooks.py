@@ -194,11 +194,17 @@ class GenerateIds:
         if isinstance(cache, PolicyCache) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             mask, embeds = kwargs.get("attention_mask"), kwargs.get("inputs_embeds")
             first = bool(kwargs.get("is_first_iteration"))
-            length = input_ids.shape[1]
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2:   # longer: input_ids are the new tokens only
-                length = max(length, mask.shape[1])
+            # the conversation's tokens: generate's 2D attention mask and its position ids cover them all (transformers
+            # >= 5.24 drops a mask of ones), where input_ids may be the new tokens only
+            positions, lengths = kwargs.get("position_ids"), [input_ids.shape[1]]
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                lengths.append(mask.shape[1])
+            if isinstance(positions, torch.Tensor):
+                lengths.append(positions.shape[-1])
+            length = max(lengths)
             cache.observe_generate(input_ids, length, first=first,
-                                   embeds=embeds.shape[1] if first and isinstance(embeds, torch.Tensor) else None)
+                                   embeds=embeds.shape[1] if first and isinstance(embeds, torch.Tensor) else None,
+                                   positions=positions if isinstance(positions, torch.Tensor) else None)
         return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
 
 
